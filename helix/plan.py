@@ -1,0 +1,158 @@
+"""The plan file (``plan.json`` or ``.yaml``): a placement and the flows that come with it.
+
+A :class:`Plan` is what the planner writes and the router, agents, simulator and notebooks
+read. :func:`check_plan` is the one structural invariant checker (ranges, coverage, layer
+limits, flow conservation); the planner adds the capacity check (``planner.graph``) when it
+has the profiles at hand. Both run on every plan produced or loaded.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from helix.errors import ConfigError
+from helix.loading import read_document, validate
+
+FLOW_TOLERANCE = 1e-6
+
+
+class FlowEdge(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    src: str
+    dst: str
+    tok_s: float = Field(ge=0)
+
+
+class Plan(BaseModel):
+    """Placement as half-open layer ranges ``[start, end)`` plus its max flow and how it was found."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    cluster: str
+    model: str
+    method: str
+    placement: dict[str, tuple[int, int]]
+    max_flow_tok_s: float = Field(ge=0)
+    upper_bound_tok_s: float | None = None
+    bound_method: str | None = None
+    flows: list[FlowEdge] = []
+    bottleneck: list[str] = []
+    status: str = "feasible"
+    wall_s: float = 0.0
+    solver: str | None = None
+    objective: str | None = None
+    partial_handoffs: bool = True
+    score: dict[str, float] = {}
+    stats: dict[str, Any] = {}
+
+    @field_validator("placement")
+    @classmethod
+    def _ranges(cls, v: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+        for node, (start, end) in v.items():
+            if not 0 <= start < end:
+                raise ValueError(f"{node}: layer range [{start}, {end}) is empty or negative")
+        return v
+
+    def layers_held(self, node: str) -> int:
+        start, end = self.placement[node]
+        return end - start
+
+    def stages(self) -> list[tuple[str, int, int]]:
+        """Nodes with their ranges, ordered by start layer."""
+        return sorted(((n, s, e) for n, (s, e) in self.placement.items()), key=lambda x: (x[1], x[2], x[0]))
+
+    def to_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), indent=2)
+
+    def save(self, path: str | Path) -> None:
+        p = Path(path)
+        if p.suffix in (".yaml", ".yml"):
+            import yaml
+
+            p.write_text(yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False))
+        else:
+            p.write_text(self.to_json() + "\n")
+
+
+def check_plan(
+    plan: Plan,
+    *,
+    num_layers: int,
+    node_ids: list[str],
+    max_layers: dict[str, int] | None = None,
+    coordinator: str = "coordinator",
+    source: str = "<plan>",
+) -> None:
+    """Structural invariants: known nodes, ranges inside the model, layer limits, every layer
+    covered, flows conserved at every node and summing to ``max_flow_tok_s``."""
+    known = set(node_ids)
+    for node, (start, end) in plan.placement.items():
+        field = f"placement.{node}"
+        if node not in known:
+            raise ConfigError(f"node {node!r} is not in the cluster", source=source, field=field)
+        if end > num_layers:
+            raise ConfigError(f"range [{start}, {end}) goes past the model's {num_layers} layers", source=source, field=field)
+        if max_layers is not None and end - start > max_layers[node]:
+            raise ConfigError(
+                f"holds {end - start} layers but this node fits at most {max_layers[node]}", source=source, field=field
+            )
+    covered = [False] * num_layers
+    for start, end in plan.placement.values():
+        for layer in range(start, end):
+            covered[layer] = True
+    missing = [i for i, c in enumerate(covered) if not c]
+    if missing:
+        raise ConfigError(
+            f"layers {_ranges_text(missing)} are held by no node: the plan does not cover all {num_layers} layers",
+            source=source,
+            field="placement",
+        )
+    if not plan.flows:
+        return
+    balance: dict[str, float] = defaultdict(float)
+    for i, edge in enumerate(plan.flows):
+        for end_name in (edge.src, edge.dst):
+            if end_name != coordinator and end_name not in plan.placement:
+                raise ConfigError(f"flow on an edge to {end_name!r}, which holds no layers", source=source, field=f"flows[{i}]")
+        balance[edge.src] -= edge.tok_s
+        balance[edge.dst] += edge.tok_s
+    scale = max(1.0, plan.max_flow_tok_s)
+    for node, net in balance.items():
+        if node != coordinator and abs(net) > FLOW_TOLERANCE * scale:
+            raise ConfigError(f"flow into {node!r} differs from flow out by {net:.6g} tok/s", source=source, field="flows")
+    out_of_source = sum(e.tok_s for e in plan.flows if e.src == coordinator)
+    if abs(out_of_source - plan.max_flow_tok_s) > 1e-4 * scale:
+        raise ConfigError(
+            f"flows leave the coordinator at {out_of_source:.6g} tok/s but max_flow_tok_s is {plan.max_flow_tok_s:.6g}",
+            source=source,
+            field="max_flow_tok_s",
+        )
+
+
+def _ranges_text(layers: list[int]) -> str:
+    parts: list[str] = []
+    start = prev = layers[0]
+    for x in layers[1:] + [None]:  # type: ignore[list-item]
+        if x is not None and x == prev + 1:
+            prev = x
+            continue
+        parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if x is not None:
+            start = prev = x
+    return ", ".join(parts)
+
+
+def parse_plan(data: Any, source: str = "<plan>") -> Plan:
+    return validate(Plan, data, source)
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read a plan file (JSON or YAML). Callers run :func:`check_plan` against their cluster."""
+    p = Path(path)
+    return parse_plan(read_document(p), str(p))

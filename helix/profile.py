@@ -1,0 +1,186 @@
+"""The profiles file: model constants and, per GPU type, how fast it runs a model.
+
+A GPU's throughput for a model comes in one of two forms (DESIGN.md):
+
+* ``tok_s`` given directly: ``tok_s[k-1]`` is the tokens/s a node pushes through all ``k``
+  layers it holds (this is how the paper's numbers come in);
+* measured per-layer latency curves (what the profiler writes): ``prefill_ms_per_layer`` as
+  ``[batch tokens, ms for one layer]`` points and ``decode_ms_per_layer`` as
+  ``[batch size, ms for one layer]`` points, plus ``kv_capacity_tokens_by_layers``. From them
+  :func:`derive_tok_s` computes the same table with this formula, for ``k`` layers::
+
+      P(k) = max_t  t / (k * prefill_ms(t) / 1000)             prompt tokens/s
+      b(k) = KV-limited decode batch = kv_capacity(k) / k / context_tokens
+      D(k) = max_{b <= b(k)}  b / (k * decode_ms(b) / 1000)    decode tokens/s
+      tok_s(k) = 1 / (f_prompt / P(k) + (1 - f_prompt) / D(k))
+
+  with ``f_prompt`` the share of prompt tokens in the workload (763 of 763 + 232 on the
+  Azure conversation trace the paper used) and ``context_tokens`` the mean context a
+  decoding request holds (prompt + half the output).
+
+``kv_capacity_tokens_by_layers[k-1]`` counts KV *entries* (one token in one layer) that fit
+when the node holds ``k`` layers; each layer then keeps ``value / k`` tokens of context.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from helix.errors import ConfigError, InfeasiblePlanError
+from helix.loading import load_model
+from helix.spec import ClusterSpec
+
+AZURE_MEAN_PROMPT_TOKENS = 763
+AZURE_MEAN_OUTPUT_TOKENS = 232
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelProfile(_Strict):
+    num_layers: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    dtype_bytes: int = Field(default=2, gt=0)
+    layer_weight_bytes: float = Field(gt=0)
+    kv_bytes_per_token_per_layer: float = Field(gt=0)
+    token_bytes: int = Field(default=2, gt=0, description="bytes of one token id on coordinator links")
+
+    @property
+    def activation_bytes_per_token(self) -> int:
+        return self.hidden_size * self.dtype_bytes
+
+
+Curve = list[tuple[float, float]]
+
+
+class ThroughputProfile(_Strict):
+    """How one GPU type runs one model."""
+
+    max_layers: int = Field(gt=0)
+    tok_s: list[float] | None = None
+    prefill_ms_per_layer: Curve | None = None
+    decode_ms_per_layer: Curve | None = None
+    kv_capacity_tokens_by_layers: list[float] | None = None
+    prompt_max_tokens_by_layers: list[int] | None = None  # largest prefill batch (tokens) per step
+    decode_max_tokens_by_layers: list[int] | None = None  # largest decode batch (requests) per step
+
+    @model_validator(mode="after")
+    def _check(self) -> ThroughputProfile:
+        if self.tok_s is not None:
+            if len(self.tok_s) != self.max_layers:
+                raise ValueError(f"tok_s has {len(self.tok_s)} entries but max_layers is {self.max_layers}")
+            if any(t <= 0 for t in self.tok_s):
+                raise ValueError("tok_s entries must be positive")
+        elif self.prefill_ms_per_layer is None or self.decode_ms_per_layer is None:
+            raise ValueError("give tok_s, or both prefill_ms_per_layer and decode_ms_per_layer")
+        if self.kv_capacity_tokens_by_layers is not None and len(self.kv_capacity_tokens_by_layers) != self.max_layers:
+            raise ValueError("kv_capacity_tokens_by_layers needs one entry per layer count up to max_layers")
+        return self
+
+    def tok_s_table(self, model: ModelProfile) -> list[float]:
+        """tokens/s through all k layers, k = 1..max_layers (given, or derived from the curves)."""
+        if self.tok_s is not None:
+            return list(self.tok_s)
+        return derive_tok_s(self)
+
+    def kv_tokens_per_layer(self, k: int) -> float | None:
+        """Tokens of context each layer can hold when the node holds k layers."""
+        if self.kv_capacity_tokens_by_layers is None:
+            return None
+        return self.kv_capacity_tokens_by_layers[k - 1] / k
+
+
+class GpuProfile(_Strict):
+    vram_gb: float = Field(gt=0)
+    throughput: dict[str, ThroughputProfile] = {}
+
+
+class ProfileSet(_Strict):
+    models: dict[str, ModelProfile] = {}
+    gpus: dict[str, GpuProfile] = {}
+
+    def merged(self, other: ProfileSet) -> ProfileSet:
+        gpus = dict(self.gpus)
+        for name, gpu in other.gpus.items():
+            if name in gpus:
+                gpus[name] = GpuProfile(vram_gb=gpu.vram_gb, throughput={**gpus[name].throughput, **gpu.throughput})
+            else:
+                gpus[name] = gpu
+        return ProfileSet(models={**self.models, **other.models}, gpus=gpus)
+
+    def throughput(self, gpu: str, model: str) -> ThroughputProfile:
+        return self.gpus[gpu].throughput[model]
+
+
+def _interp(curve: Curve, x: float) -> float:
+    pts = sorted(curve)
+    if x <= pts[0][0]:
+        return pts[0][1] * (x / pts[0][0]) if pts[0][0] > 0 else pts[0][1]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:], strict=False):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    (x0, y0), (x1, y1) = pts[-2], pts[-1]
+    return y1 + (y1 - y0) * (x - x1) / (x1 - x0)
+
+
+def derive_tok_s(
+    tp: ThroughputProfile,
+    *,
+    prompt_tokens: float = AZURE_MEAN_PROMPT_TOKENS,
+    output_tokens: float = AZURE_MEAN_OUTPUT_TOKENS,
+) -> list[float]:
+    """The module docstring's formula: tokens/s through k layers from per-layer latency curves."""
+    assert tp.prefill_ms_per_layer is not None and tp.decode_ms_per_layer is not None
+    f_prompt = prompt_tokens / (prompt_tokens + output_tokens)
+    context = prompt_tokens + output_tokens / 2
+    out: list[float] = []
+    for k in range(1, tp.max_layers + 1):
+        prefill = max(t / (k * ms / 1000) for t, ms in tp.prefill_ms_per_layer if t > 0 and ms > 0)
+        kv_per_layer = tp.kv_tokens_per_layer(k)
+        max_batch = float("inf") if kv_per_layer is None else max(1.0, kv_per_layer / context)
+        decode_points = [(b, ms) for b, ms in tp.decode_ms_per_layer if 0 < b <= max_batch and ms > 0]
+        if not decode_points:
+            decode_points = [(max_batch, _interp(tp.decode_ms_per_layer, max_batch))]
+        decode = max(b / (k * ms / 1000) for b, ms in decode_points)
+        out.append(1.0 / (f_prompt / prefill + (1 - f_prompt) / decode))
+    return out
+
+
+def load_profile_file(path: str | Path) -> ProfileSet:
+    return load_model(ProfileSet, path)
+
+
+def load_profiles_for(cluster: ClusterSpec) -> ProfileSet:
+    """Load (and merge) the cluster's profile files and check them against the cluster."""
+    merged = ProfileSet()
+    for path in cluster.profile_paths():
+        merged = merged.merged(load_profile_file(path))
+    check_profiles(cluster, merged)
+    return merged
+
+
+def check_profiles(cluster: ClusterSpec, profiles: ProfileSet) -> None:
+    """Every node's GPU is known and profiled for the model, and the model fits the cluster."""
+    src = cluster.source
+    if cluster.model not in profiles.models:
+        known = ", ".join(sorted(profiles.models)) or "none"
+        raise ConfigError(f"unknown model {cluster.model!r} (profiles know: {known})", source=src, field="model")
+    for i, node in enumerate(cluster.nodes):
+        if node.gpu not in profiles.gpus:
+            known = ", ".join(sorted(profiles.gpus)) or "none"
+            raise ConfigError(f"unknown GPU type {node.gpu!r} (profiles know: {known})", source=src, field=f"nodes[{i}].gpu")
+        if cluster.model not in profiles.gpus[node.gpu].throughput:
+            raise ConfigError(
+                f"GPU type {node.gpu!r} has no throughput profile for model {cluster.model!r}",
+                source=src,
+                field=f"nodes[{i}].gpu",
+            )
+    num_layers = profiles.models[cluster.model].num_layers
+    total = sum(profiles.throughput(n.gpu, cluster.model).max_layers for n in cluster.nodes)
+    if total < num_layers:
+        raise InfeasiblePlanError(
+            f"{src}: model {cluster.model!r} has {num_layers} layers but all nodes together hold at most {total}"
+        )

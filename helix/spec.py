@@ -1,0 +1,184 @@
+"""The cluster file (``clusters/*.yaml``): nodes, coordinator, links and link defaults.
+
+:class:`ClusterSpec` is the contract of DESIGN.md. :func:`load_cluster` reads and validates
+one file; :meth:`ClusterSpec.resolved_links` expands ``defaults`` into the full set of
+directed links (explicit links win). Validation errors name the file and the field.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+
+from helix.errors import ConfigError
+from helix.loading import load_model
+
+COORDINATOR_DEFAULT_ID = "coordinator"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CoordinatorSpec(_Strict):
+    """The coordinator: source of token ids and sink of sampled tokens."""
+
+    id: str = COORDINATOR_DEFAULT_ID
+    nic_gbps: float | None = Field(default=None, gt=0)
+    region: str | None = None
+    address: str | None = None
+
+
+class NodeSpec(_Strict):
+    """One compute node (one GPU, or one CPU process in the local demo)."""
+
+    id: str = Field(min_length=1)
+    gpu: str = Field(min_length=1)
+    region: str | None = None
+    address: str | None = None
+
+
+class LinkParams(_Strict):
+    bandwidth_gbps: float = Field(gt=0, description="10^9 bits per second")
+    latency_ms: float = Field(default=0.0, ge=0)
+
+
+class LinkSpec(LinkParams):
+    """An explicit link; ``bidirectional`` adds the reverse direction with the same numbers."""
+
+    src: str
+    dst: str
+    bidirectional: bool = False
+
+
+class LinkDefaults(_Strict):
+    """Links for every pair not listed explicitly; absent means not connected."""
+
+    intra_region: LinkParams | None = None
+    inter_region: LinkParams | None = None
+
+
+class ResolvedLink(_Strict):
+    """A directed link after defaults were applied."""
+
+    src: str
+    dst: str
+    bandwidth_gbps: float
+    latency_ms: float
+
+
+class ClusterSpec(_Strict):
+    """A cluster file. ``profiles`` paths are relative to the file itself."""
+
+    name: str
+    model: str
+    profiles: str | list[str]
+    coordinator: CoordinatorSpec = CoordinatorSpec()
+    nodes: list[NodeSpec] = Field(min_length=1)
+    links: list[LinkSpec] = []
+    defaults: LinkDefaults | None = None
+
+    _source: str = PrivateAttr(default="<cluster>")
+
+    @model_validator(mode="after")
+    def _check_ids(self) -> ClusterSpec:
+        seen: dict[str, int] = {}
+        for i, node in enumerate(self.nodes):
+            if node.id == self.coordinator.id:
+                raise ValueError(f"nodes[{i}].id: {node.id!r} is the coordinator's id")
+            if node.id in seen:
+                raise ValueError(f"nodes[{i}].id: duplicate id {node.id!r} (also nodes[{seen[node.id]}])")
+            seen[node.id] = i
+        known = set(seen) | {self.coordinator.id}
+        for i, link in enumerate(self.links):
+            for end in ("src", "dst"):
+                if getattr(link, end) not in known:
+                    raise ValueError(f"links[{i}].{end}: unknown node {getattr(link, end)!r}")
+            if link.src == link.dst:
+                raise ValueError(f"links[{i}]: a link from {link.src!r} to itself")
+        return self
+
+    # -- derived views -------------------------------------------------------------------
+
+    @property
+    def source(self) -> str:
+        """The file this cluster was loaded from (for error messages)."""
+        return self._source
+
+    @property
+    def node_ids(self) -> list[str]:
+        return [n.id for n in self.nodes]
+
+    def node(self, node_id: str) -> NodeSpec:
+        for n in self.nodes:
+            if n.id == node_id:
+                return n
+        raise ConfigError(f"unknown node {node_id!r}", source=self.source, field="nodes")
+
+    def region_of(self, vertex: str) -> str | None:
+        if vertex == self.coordinator.id:
+            return self.coordinator.region
+        return self.node(vertex).region
+
+    def profile_paths(self) -> list[Path]:
+        base = Path(self.source).parent
+        names = [self.profiles] if isinstance(self.profiles, str) else self.profiles
+        return [base / p for p in names]
+
+    def resolved_links(self) -> dict[tuple[str, str], ResolvedLink]:
+        """Every directed link: explicit ones, then defaults for the remaining pairs."""
+        out: dict[tuple[str, str], ResolvedLink] = {}
+        for link in self.links:
+            pairs = [(link.src, link.dst)] + ([(link.dst, link.src)] if link.bidirectional else [])
+            for src, dst in pairs:
+                out[(src, dst)] = ResolvedLink(
+                    src=src, dst=dst, bandwidth_gbps=link.bandwidth_gbps, latency_ms=link.latency_ms
+                )
+        if self.defaults is None:
+            return out
+        vertices = [self.coordinator.id, *self.node_ids]
+        for src in vertices:
+            for dst in vertices:
+                if src == dst or (src, dst) in out:
+                    continue
+                rs, rd = self.region_of(src), self.region_of(dst)
+                same = rs is None or rd is None or rs == rd
+                params = self.defaults.intra_region if same else self.defaults.inter_region
+                if params is not None:
+                    out[(src, dst)] = ResolvedLink(
+                        src=src, dst=dst, bandwidth_gbps=params.bandwidth_gbps, latency_ms=params.latency_ms
+                    )
+        return out
+
+    def check_connectivity(self) -> None:
+        """The coordinator must reach some node and hear from some node; every node must be reachable."""
+        links = self.resolved_links()
+        coord = self.coordinator.id
+        if not any(src == coord for src, _ in links):
+            raise ConfigError("the coordinator has no outgoing link to any node", source=self.source, field="links")
+        if not any(dst == coord for _, dst in links):
+            raise ConfigError("no node has a link back to the coordinator", source=self.source, field="links")
+        reached = {coord}
+        frontier = [coord]
+        while frontier:
+            v = frontier.pop()
+            for src, dst in links:
+                if src == v and dst not in reached:
+                    reached.add(dst)
+                    frontier.append(dst)
+        for i, node in enumerate(self.nodes):
+            if node.id not in reached:
+                raise ConfigError(
+                    f"node {node.id!r} is not reachable from the coordinator by any link",
+                    source=self.source,
+                    field=f"nodes[{i}]",
+                )
+
+
+def load_cluster(path: str | Path) -> ClusterSpec:
+    """Read a cluster file and check that it is connected."""
+    spec = load_model(ClusterSpec, path)
+    spec._source = str(path)
+    spec.check_connectivity()
+    return spec

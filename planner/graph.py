@@ -1,0 +1,207 @@
+"""The max-flow abstraction of a placed cluster (Helix section 3.2), evaluated with networkx.
+
+Vertices: the coordinator appears as ``SOURCE`` and ``SINK``; each compute node ``i`` as
+``i/in`` -> ``i/out`` with capacity ``T_i(k_i)`` (tokens/s through the ``k_i`` layers it
+holds). Edges, each with capacity = link bandwidth / bytes per token:
+
+* ``SOURCE -> i/in`` when ``i`` holds layer 0 (token ids, ``token_bytes`` each);
+* ``i/out -> SINK`` when ``i`` holds the last layer (sampled tokens, ``token_bytes`` each);
+* ``i/out -> j/in`` when ``j`` holds the layer needed right after ``i``'s last one:
+  ``s_j <= e_i < e_j`` with partial-layer hand-offs (``j`` runs only layers not yet run),
+  ``e_i == s_j`` without (activations, ``hidden_size * dtype_bytes`` each).
+
+If the coordinator has ``nic_gbps``, its NIC caps the total flow in each direction.
+The max flow is the cluster's serving throughput for that placement; the min cut is its
+bottleneck.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import networkx as nx
+
+from helix.plan import FlowEdge
+from helix.profile import ProfileSet
+from helix.spec import ClusterSpec
+from helix.units import link_tokens_per_s
+
+SOURCE = "__source__"
+SINK = "__sink__"
+_NIC_OUT = "__nic_out__"
+_NIC_IN = "__nic_in__"
+
+Placement = dict[str, tuple[int, int]]
+
+
+@dataclass(slots=True, frozen=True)
+class CapacityModel:
+    """Everything the graph needs, precomputed once per cluster."""
+
+    coordinator: str
+    num_layers: int
+    node_tok_s: dict[str, list[float]]  # node -> tok_s[k-1]
+    max_layers: dict[str, int]
+    links: dict[tuple[str, str], float]  # (src, dst) -> bandwidth_gbps
+    latency_ms: dict[tuple[str, str], float]
+    token_bytes: int
+    activation_bytes: int
+    nic_gbps: float | None
+
+    @classmethod
+    def build(cls, cluster: ClusterSpec, profiles: ProfileSet) -> CapacityModel:
+        model = profiles.models[cluster.model]
+        node_tok_s: dict[str, list[float]] = {}
+        max_layers: dict[str, int] = {}
+        tables: dict[str, list[float]] = {}
+        for node in cluster.nodes:
+            tp = profiles.throughput(node.gpu, cluster.model)
+            if node.gpu not in tables:
+                tables[node.gpu] = tp.tok_s_table(model)
+            node_tok_s[node.id] = tables[node.gpu]
+            max_layers[node.id] = tp.max_layers
+        resolved = cluster.resolved_links()
+        return cls(
+            coordinator=cluster.coordinator.id,
+            num_layers=model.num_layers,
+            node_tok_s=node_tok_s,
+            max_layers=max_layers,
+            links={k: v.bandwidth_gbps for k, v in resolved.items()},
+            latency_ms={k: v.latency_ms for k, v in resolved.items()},
+            token_bytes=model.token_bytes,
+            activation_bytes=model.activation_bytes_per_token,
+            nic_gbps=cluster.coordinator.nic_gbps,
+        )
+
+    def node_capacity(self, node: str, layers: int) -> float:
+        return self.node_tok_s[node][layers - 1]
+
+    def token_link_tok_s(self, src: str, dst: str) -> float | None:
+        bw = self.links.get((src, dst))
+        return None if bw is None else link_tokens_per_s(bw, self.token_bytes)
+
+    def activation_link_tok_s(self, src: str, dst: str) -> float | None:
+        bw = self.links.get((src, dst))
+        return None if bw is None else link_tokens_per_s(bw, self.activation_bytes)
+
+
+def hands_off(src_range: tuple[int, int], dst_range: tuple[int, int], partial_handoffs: bool) -> bool:
+    """Whether a request leaving ``src`` can continue on ``dst`` (section 3.2, case 3)."""
+    e_i = src_range[1]
+    s_j, e_j = dst_range
+    if partial_handoffs:
+        return s_j <= e_i < e_j
+    return e_i == s_j
+
+
+def build_graph(cap: CapacityModel, placement: Placement, *, partial_handoffs: bool = True) -> nx.DiGraph:
+    g = nx.DiGraph()
+    coord = cap.coordinator
+    src_v, sink_v = SOURCE, SINK
+    if cap.nic_gbps is not None:
+        nic = link_tokens_per_s(cap.nic_gbps, cap.token_bytes)
+        g.add_edge(SOURCE, _NIC_OUT, capacity=nic)
+        g.add_edge(_NIC_IN, SINK, capacity=nic)
+        src_v, sink_v = _NIC_OUT, _NIC_IN
+    for node, (start, end) in placement.items():
+        g.add_edge(f"{node}/in", f"{node}/out", capacity=cap.node_capacity(node, end - start))
+        if start == 0:
+            c = cap.token_link_tok_s(coord, node)
+            if c is not None:
+                g.add_edge(src_v, f"{node}/in", capacity=c)
+        if end == cap.num_layers:
+            c = cap.token_link_tok_s(node, coord)
+            if c is not None:
+                g.add_edge(f"{node}/out", sink_v, capacity=c)
+    for a, ra in placement.items():
+        for b, rb in placement.items():
+            if a != b and hands_off(ra, rb, partial_handoffs):
+                c = cap.activation_link_tok_s(a, b)
+                if c is not None:
+                    g.add_edge(f"{a}/out", f"{b}/in", capacity=c)
+    g.add_nodes_from([SOURCE, SINK])
+    return g
+
+
+@dataclass(slots=True)
+class FlowResult:
+    max_flow_tok_s: float
+    flows: list[FlowEdge]
+    bottleneck: list[str]
+
+
+def _vertex_name(v: str, coord: str) -> str:
+    if v in (SOURCE, SINK, _NIC_IN, _NIC_OUT):
+        return coord
+    return v.rsplit("/", 1)[0]
+
+
+def evaluate(
+    cap: CapacityModel, placement: Placement, *, partial_handoffs: bool = True, with_cut: bool = True
+) -> FlowResult:
+    """Max flow of a placement, the flow on every node-to-node edge, and the min cut."""
+    g = build_graph(cap, placement, partial_handoffs=partial_handoffs)
+    value, flow = nx.maximum_flow(g, SOURCE, SINK, flow_func=nx.algorithms.flow.preflow_push)
+    coord = cap.coordinator
+    edges: list[FlowEdge] = []
+    for u, outs in flow.items():
+        for v, f in outs.items():
+            if f <= 0 or u in (SOURCE, _NIC_IN) or v in (SINK, _NIC_OUT):
+                continue
+            if u.endswith("/in") and v.endswith("/out") and u[:-3] == v[:-4]:
+                continue  # the node's own compute edge
+            edges.append(FlowEdge(src=_vertex_name(u, coord), dst=_vertex_name(v, coord), tok_s=float(f)))
+    bottleneck = min_cut_description(g, cap) if with_cut and value > 0 else []
+    return FlowResult(max_flow_tok_s=float(value), flows=edges, bottleneck=bottleneck)
+
+
+def max_flow_value(cap: CapacityModel, placement: Placement, *, partial_handoffs: bool = True) -> float:
+    g = build_graph(cap, placement, partial_handoffs=partial_handoffs)
+    return float(nx.maximum_flow_value(g, SOURCE, SINK, flow_func=nx.algorithms.flow.preflow_push))
+
+
+def min_cut_description(g: nx.DiGraph, cap: CapacityModel) -> list[str]:
+    """Human-readable edges of a minimum cut: the nodes and links that limit throughput."""
+    _, (reach, _) = nx.minimum_cut(g, SOURCE, SINK, flow_func=nx.algorithms.flow.preflow_push)
+    coord = cap.coordinator
+    out: list[str] = []
+    for u in reach:
+        for v, data in g[u].items():
+            if v in reach:
+                continue
+            c = data["capacity"]
+            if u.endswith("/in") and v.endswith("/out"):
+                out.append(f"node {u[:-3]} compute ({c:.1f} tok/s)")
+            elif u == SOURCE and v == _NIC_OUT or u == _NIC_IN and v == SINK:
+                out.append(f"coordinator NIC ({c:.1f} tok/s)")
+            else:
+                out.append(f"link {_vertex_name(u, coord)} -> {_vertex_name(v, coord)} ({c:.1f} tok/s)")
+    return sorted(out)
+
+
+def check_flows(cap: CapacityModel, placement: Placement, flows: list[FlowEdge], *, partial_handoffs: bool = True) -> None:
+    """Every flow runs on a valid edge and within its capacity (the plan's capacity invariant)."""
+    from helix.errors import ConfigError
+
+    coord = cap.coordinator
+    through: dict[str, float] = {}
+    for i, e in enumerate(flows):
+        if e.src == coord:
+            c = cap.token_link_tok_s(coord, e.dst) if placement.get(e.dst, (1, 1))[0] == 0 else None
+        elif e.dst == coord:
+            c = cap.token_link_tok_s(e.src, coord) if placement.get(e.src, (0, 0))[1] == cap.num_layers else None
+        elif e.src in placement and e.dst in placement and hands_off(placement[e.src], placement[e.dst], partial_handoffs):
+            c = cap.activation_link_tok_s(e.src, e.dst)
+        else:
+            c = None
+        if c is None:
+            raise ConfigError(f"flow on {e.src} -> {e.dst}, which is not a valid edge of this placement", field=f"flows[{i}]")
+        if e.tok_s > c * (1 + 1e-6):
+            raise ConfigError(f"flow {e.tok_s:.6g} on {e.src} -> {e.dst} exceeds its capacity {c:.6g}", field=f"flows[{i}]")
+        if e.dst != coord:
+            through[e.dst] = through.get(e.dst, 0.0) + e.tok_s
+    for node, f in through.items():
+        start, end = placement[node]
+        c = cap.node_capacity(node, end - start)
+        if f > c * (1 + 1e-6):
+            raise ConfigError(f"flow {f:.6g} through node {node} exceeds its capacity {c:.6g}", field="flows")
