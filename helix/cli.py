@@ -68,8 +68,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(getattr(_module(args.command), f"run_{args.command}")(args) or 0)
     except HelixError as exc:
         from rich.console import Console
+        from rich.markup import escape
 
-        Console(stderr=True, highlight=False).print(f"[bold red]error:[/] {exc.message}", markup=True)
+        Console(stderr=True, highlight=False).print(f"[bold red]error:[/] {escape(exc.message)}")
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
