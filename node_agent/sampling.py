@@ -1,0 +1,69 @@
+"""Sampling parameters and the per-request token sampler (greedy, temperature, top-k, top-p, seed).
+
+Sampling happens only on the stage that holds the last layer. Each request owns a
+``torch.Generator`` seeded from ``SamplingParams.seed`` so its draws do not depend on which other
+requests share the step. Stop conditions (stop token, ``max_tokens``) are decided here too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from helix.errors import RequestError
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick tokens for one request. ``temperature == 0`` means greedy."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = no top-k cut
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    return_logits: bool = False  # attach the sampled row's logits to the output (tests, debugging)
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be >= 1, got {self.max_tokens}", param="max_tokens")
+        if self.temperature < 0:
+            raise RequestError(f"temperature must be >= 0, got {self.temperature}", param="temperature")
+        if self.top_k < 0:
+            raise RequestError(f"top_k must be >= 0, got {self.top_k}", param="top_k")
+        if not 0.0 < self.top_p <= 1.0:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
+
+
+def make_generator(params: SamplingParams) -> torch.Generator:
+    gen = torch.Generator()
+    gen.manual_seed(params.seed if params.seed is not None else int(torch.seed()) % (2**63))
+    return gen
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """Pick one token id from a ``[vocab]`` logits row."""
+    if params.temperature == 0.0:
+        return int(torch.argmax(logits))
+    scores = logits.float() / params.temperature
+    if params.top_k:
+        kth = torch.topk(scores, min(params.top_k, scores.numel())).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=True)
+        cumulative = torch.softmax(sorted_scores, dim=-1).cumsum(-1)
+        drop = cumulative - torch.softmax(sorted_scores, dim=-1) >= params.top_p  # keep the token crossing p
+        scores = scores.scatter(0, order, sorted_scores.masked_fill(drop, float("-inf")))
+    probs = torch.softmax(scores, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def finish_reason(token: int, num_generated: int, params: SamplingParams) -> str | None:
+    """``"stop"`` on a stop token, ``"length"`` at ``max_tokens``, else ``None`` (keep going)."""
+    if token in params.stop_token_ids:
+        return "stop"
+    if num_generated >= params.max_tokens:
+        return "length"
+    return None

@@ -1,0 +1,175 @@
+"""The per-agent iteration-level scheduler: a pure, step-driven policy (no tensors, no I/O).
+
+Each step (``schedule()`` -> run -> ``update(batch, finished)``):
+
+* **Admission (Orca).** Waiting requests are admitted strictly FCFS while the running set is below
+  ``max_batch_size`` and the KV account can *reserve* ``prompt + max_tokens`` tokens for them.
+  Because the worst case is reserved up front, every running request can always finish, so the
+  scheduler never deadlocks; a request larger than the whole KV capacity is refused at ``add``.
+* **Decode-maximal batching (Sarathi).** Every running request in its decode phase that has an
+  input token gets one token in the step, then at most ONE prefill chunk of at most
+  ``chunk_size`` tokens fills the remaining ``token_budget``. ``chunk_size=None`` disables
+  chunking: the prefill's whole pending prompt runs in one step (Orca-style, budget ignored).
+* ``request_level=True`` is the pre-Orca baseline: new requests join only when the running set is
+  empty, so a batch runs until its last request finishes.
+
+A request is schedulable only when it has *pending input*: prompt tokens on the stage that embeds,
+hidden states pushed from the previous stage, or the token sampled in the previous step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from helix.errors import EngineError
+from node_agent.kv_cache import KVAccount, KVUsage
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_batch_size: int = 32
+    token_budget: int = 512
+    chunk_size: int | None = 256
+    request_level: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise EngineError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.token_budget < self.max_batch_size:
+            raise EngineError(f"token_budget ({self.token_budget}) must be >= max_batch_size ({self.max_batch_size})")
+        if self.chunk_size is not None and self.chunk_size < 1:
+            raise EngineError(f"chunk_size must be >= 1 or None, got {self.chunk_size}")
+
+
+@dataclass(slots=True)
+class SequenceState:
+    """The scheduler's view of one request on this stage."""
+
+    request_id: str
+    prompt_tokens: int
+    reserve_tokens: int
+    computed_tokens: int = 0  # tokens whose KV this stage holds
+    pending_tokens: int = 0  # inputs arrived but not yet run
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.computed_tokens < self.prompt_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledWork:
+    """``num_tokens`` inputs of one request at positions ``first_position..``; ``ends_prompt_or_decodes``
+    is True when the next token after this work is due (a decode, or the prompt's last chunk)."""
+
+    request_id: str
+    num_tokens: int
+    first_position: int
+    is_prefill: bool
+    ends_prompt_or_decodes: bool
+
+
+@dataclass(slots=True)
+class Batch:
+    """What runs in one step: decodes first (FCFS), then at most one prefill chunk."""
+
+    work: list[ScheduledWork] = field(default_factory=list)
+    admitted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(w.num_tokens for w in self.work)
+
+    @property
+    def num_prefill_chunks(self) -> int:
+        return sum(w.is_prefill for w in self.work)
+
+    def __bool__(self) -> bool:
+        return bool(self.work)
+
+
+class Scheduler:
+    """FCFS admission with KV reservation + decode-maximal batching with one prefill chunk."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVAccount) -> None:
+        self.config, self.kv = config, kv
+        self.waiting: deque[SequenceState] = deque()
+        self.running: dict[str, SequenceState] = {}  # insertion order = admission order (FCFS)
+        self._all: dict[str, SequenceState] = {}
+
+    def add(self, request_id: str, prompt_tokens: int, max_tokens: int, pending_tokens: int = 0) -> None:
+        """Queue a request; raises ``CapacityError`` if its reservation could never fit."""
+        if request_id in self._all:
+            raise EngineError(f"request {request_id!r} already exists on this stage")
+        reserve = prompt_tokens + max_tokens
+        self.kv.check_fits_ever(request_id, reserve)
+        seq = SequenceState(request_id, prompt_tokens, reserve, pending_tokens=pending_tokens)
+        self.waiting.append(seq)
+        self._all[request_id] = seq
+
+    def add_input(self, request_id: str, num_tokens: int) -> None:
+        """``num_tokens`` more inputs arrived for ``request_id``."""
+        self._all[request_id].pending_tokens += num_tokens
+
+    def remove(self, request_id: str) -> None:
+        """Drop a request (finished or cancelled) and release its KV reservation."""
+        seq = self._all.pop(request_id, None)
+        if seq is None:
+            return
+        if self.running.pop(request_id, None) is None:
+            self.waiting.remove(seq)
+        self.kv.release(request_id)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._all
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._all)
+
+    def kv_usage(self) -> KVUsage:
+        return self.kv.usage(sum(s.computed_tokens for s in self.running.values()))
+
+    def _admit(self) -> list[str]:
+        if self.config.request_level and self.running:
+            return []
+        admitted = []
+        while self.waiting and len(self.running) < self.config.max_batch_size:
+            head = self.waiting[0]
+            if not self.kv.can_reserve(head.reserve_tokens):
+                break  # strict FCFS: no overtaking, so no starvation
+            self.waiting.popleft()
+            self.kv.reserve(head.request_id, head.reserve_tokens)
+            self.running[head.request_id] = head
+            admitted.append(head.request_id)
+        return admitted
+
+    def schedule(self) -> Batch:
+        """Pick this step's work. Pure: nothing changes until :meth:`update`."""
+        batch = Batch(admitted=self._admit())
+        budget = self.config.token_budget
+        for seq in self.running.values():
+            if not seq.in_prefill and seq.pending_tokens and budget:
+                batch.work.append(ScheduledWork(seq.request_id, 1, seq.computed_tokens, False, True))
+                budget -= 1
+        for seq in self.running.values():
+            if seq.in_prefill and seq.pending_tokens:
+                todo = min(seq.pending_tokens, seq.prompt_tokens - seq.computed_tokens)
+                if self.config.chunk_size is not None:
+                    todo = min(todo, self.config.chunk_size, budget)
+                if todo > 0:
+                    batch.work.append(ScheduledWork(seq.request_id, todo, seq.computed_tokens, True,
+                                                    seq.computed_tokens + todo == seq.prompt_tokens))
+                break  # at most one prefill chunk per step, FCFS
+        return batch
+
+    def update(self, batch: Batch, finished: Iterable[str] = ()) -> None:
+        """Account the work a step ran, then drop the requests that finished in it."""
+        for work in batch.work:
+            seq = self._all.get(work.request_id)
+            if seq is not None:
+                seq.computed_tokens += work.num_tokens
+                seq.pending_tokens -= work.num_tokens
+        for request_id in finished:
+            self.remove(request_id)

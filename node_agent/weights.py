@@ -1,0 +1,82 @@
+"""Stage weights: load ONLY the tensors a stage's layer range needs from a HF-style model dir.
+
+A model dir holds ``config.json`` plus one or more ``*.safetensors`` files (optionally with a
+``model.safetensors.index.json``). A stage ``[start, end)`` reads its decoder layers, the token
+embedding if ``start == 0``, and the final norm + LM head if ``end == num_layers`` (the
+embedding doubles as LM head when ``tie_word_embeddings`` is set). Tensors come back float32.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from helix.errors import EngineError
+from node_agent.config import ModelConfig
+
+LAYER_TENSORS = (
+    "input_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+)
+EMBED = "model.embed_tokens.weight"
+FINAL_NORM = "model.norm.weight"
+LM_HEAD = "lm_head.weight"
+
+
+def stage_tensor_names(config: ModelConfig, start: int, end: int) -> list[str]:
+    """The checkpoint tensor names a stage holding layers ``[start, end)`` must load."""
+    names = [f"model.layers.{i}.{t}" for i in range(start, end) for t in LAYER_TENSORS]
+    if start == 0:
+        names.append(EMBED)
+    if end == config.num_layers:
+        names.append(FINAL_NORM)
+        names.append(EMBED if config.tie_word_embeddings else LM_HEAD)
+    return list(dict.fromkeys(names))
+
+
+def _tensor_index(model_dir: Path) -> dict[str, Path]:
+    """Map every tensor name to the safetensors file that holds it."""
+    index_file = model_dir / "model.safetensors.index.json"
+    if index_file.is_file():
+        weight_map = json.loads(index_file.read_text())["weight_map"]
+        return {name: model_dir / fname for name, fname in weight_map.items()}
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise EngineError(f"{model_dir}: no *.safetensors weights file found")
+    index: dict[str, Path] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                index[name] = path
+    return index
+
+
+def load_stage_weights(model_dir: str | Path, config: ModelConfig, start: int, end: int) -> dict[str, torch.Tensor]:
+    """Load the tensors of layers ``[start, end)`` (+ embedding / head as the range requires)."""
+    if not 0 <= start < end <= config.num_layers:
+        raise EngineError(f"layer range [{start}, {end}) is not inside [0, {config.num_layers})")
+    model_dir = Path(model_dir)
+    index = _tensor_index(model_dir)
+    by_file: dict[Path, list[str]] = {}
+    for name in stage_tensor_names(config, start, end):
+        if name not in index:
+            raise EngineError(f"{model_dir}: weights tensor '{name}' not found in any *.safetensors file")
+        by_file.setdefault(index[name], []).append(name)
+    tensors: dict[str, torch.Tensor] = {}
+    for path, names in by_file.items():
+        if not path.is_file():
+            raise EngineError(f"{path}: weights file not found")
+        with safe_open(str(path), framework="pt") as f:
+            for name in names:
+                tensors[name] = f.get_tensor(name).to(torch.float32)
+    return tensors
