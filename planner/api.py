@@ -1,0 +1,265 @@
+"""The planner's entry points: :func:`make_plan`, :func:`evaluate_placement`, :func:`load_checked_plan`.
+
+``make_plan`` runs one method — our optimizer (``helix``, in ``planner.optimize``), the
+paper's MILP (``paper-milp``, ``planner.milp``) or a baseline (``planner.baselines``) —
+then evaluates the placement it got on the full cluster graph (``planner.graph``) and
+returns a :class:`~helix.plan.Plan` with flows, bottleneck (min cut), upper bound,
+status and wall time. Every plan produced or loaded goes through ``check_plan`` (structure,
+coverage, layer limits, flow conservation) and ``check_flows`` (capacities).
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from helix.errors import ConfigError, HelixError, InfeasiblePlanError
+from helix.plan import Plan, check_plan, load_plan
+from helix.profile import ProfileSet
+from helix.spec import ClusterSpec
+from planner import baselines
+from planner.graph import CapacityModel, Placement, check_flows, evaluate
+from planner.metrics import placement_stats
+
+METHODS = ("helix", "paper-milp", *baselines.BASELINES)
+OBJECTIVES = ("serving", "max-flow")
+NETWORK_FREE = "network-free (sum_i max_k k*T_i(k) / L)"
+
+ProgressFn = Callable[[Any], None]
+
+
+def network_free_bound(cap: CapacityModel) -> float:
+    """``sum_i max_k k T_i(k) / L`` (the paper's early-stop bound)."""
+    return sum(max(k * t for k, t in enumerate(cap.node_tok_s[n], start=1)) for n in cap.node_tok_s) / cap.num_layers
+
+
+def _gpu_of(cluster: ClusterSpec) -> dict[str, str]:
+    return {n.id: n.gpu for n in cluster.nodes}
+
+
+def baseline_placements(cluster: ClusterSpec, profiles: ProfileSet, cap: CapacityModel | None = None) -> dict[str, Placement]:
+    """Every baseline that is feasible on this cluster (infeasible ones are left out)."""
+    cap = cap or CapacityModel.build(cluster, profiles)
+    out: dict[str, Placement] = {}
+    for name in baselines.BASELINES:
+        try:
+            out[name] = baselines.run_baseline(name, cap, _gpu_of(cluster))
+        except InfeasiblePlanError:
+            continue
+    return out
+
+
+def _call_optimize(cluster: ClusterSpec, profiles: ProfileSet, warm: list[Placement], **kw: Any) -> Any:
+    try:
+        from planner.optimize import optimize
+    except ImportError as exc:
+        raise ConfigError(
+            f"method 'helix' is not available in this build ({exc}); use --method paper-milp or a baseline",
+            field="--method",
+        ) from None
+    accepted = inspect.signature(optimize).parameters
+    kw["warm_start"] = warm
+    return optimize(cluster, profiles, **{k: v for k, v in kw.items() if k in accepted})
+
+
+def make_plan(
+    cluster: ClusterSpec,
+    profiles: ProfileSet,
+    *,
+    method: str = "helix",
+    objective: str = "serving",
+    time_limit_s: float = 60.0,
+    threads: int = 2,
+    partial_handoffs: bool = True,
+    prune_links: float = 0.0,
+    warm_start: Placement | None = None,
+    stop_at_bound: bool = False,
+    solver: str = "highs",
+    seed: int = 0,
+    on_progress: ProgressFn | None = None,
+) -> Plan:
+    """Plan ``cluster`` with ``method`` and return a checked :class:`Plan`."""
+    if method not in METHODS:
+        raise ConfigError(f"unknown method {method!r} (choose from {', '.join(METHODS)})", field="--method")
+    if objective not in OBJECTIVES:
+        raise ConfigError(f"unknown objective {objective!r} (choose from {', '.join(OBJECTIVES)})", field="--objective")
+    t0 = time.monotonic()
+    cap = CapacityModel.build(cluster, profiles)
+    if warm_start is not None:
+        _check_placement(cap, warm_start, source="--warm-start")
+    bound, bound_method = network_free_bound(cap), NETWORK_FREE
+    status, solver_name = "heuristic", None
+    score: dict[str, float] = {}
+    stats: dict[str, Any] = {}
+    if method in baselines.BASELINES:
+        placement = baselines.run_baseline(method, cap, _gpu_of(cluster))
+    elif method == "paper-milp":
+        from planner import milp
+
+        start = warm_start
+        if start is None:  # the paper hints the solver with its heuristics' best
+            cands = baseline_placements(cluster, profiles, cap)
+            start = max(cands.values(), key=lambda p: evaluate(cap, p, partial_handoffs=partial_handoffs, with_cut=False).max_flow_tok_s, default=None)
+        res = milp.solve_paper_milp(
+            cap,
+            partial_handoffs=partial_handoffs,
+            time_limit_s=time_limit_s,
+            threads=threads,
+            solver=solver,
+            warm_start=start,
+            prune_links_frac=prune_links,
+            stop_at_bound=stop_at_bound,
+            on_progress=on_progress,
+        )
+        placement, bound, bound_method = res.placement, res.upper_bound_tok_s, res.bound_method
+        status, solver_name, stats = res.status, res.solver, dict(res.stats)
+    else:
+        warm = [warm_start] if warm_start is not None else []
+        warm += list(baseline_placements(cluster, profiles, cap).values())
+        res = _call_optimize(
+            cluster,
+            profiles,
+            warm,
+            objective=objective,
+            time_limit_s=time_limit_s,
+            threads=threads,
+            partial_handoffs=partial_handoffs,
+            prune_links=prune_links,
+            stop_at_bound_gap=0.0 if stop_at_bound else None,
+            seed=seed,
+            on_progress=on_progress,
+        )
+        placement = dict(res.placement)
+        if res.upper_bound_tok_s is not None:
+            bound, bound_method = float(res.upper_bound_tok_s), str(res.bound_method)
+        status, solver_name = str(res.status), res.solver
+        score = {k: float(v) for k, v in (getattr(res, "score", None) or {}).items() if isinstance(v, int | float)}
+        stats = dict(getattr(res, "stats", None) or {})
+    return finish_plan(
+        cluster,
+        profiles,
+        placement,
+        method=method,
+        objective=objective if method == "helix" else "max-flow",
+        partial_handoffs=partial_handoffs,
+        upper_bound_tok_s=bound,
+        bound_method=bound_method,
+        status=status,
+        solver=solver_name,
+        wall_s=time.monotonic() - t0,
+        score=score,
+        stats=stats,
+        cap=cap,
+    )
+
+
+def finish_plan(
+    cluster: ClusterSpec,
+    profiles: ProfileSet,
+    placement: Placement,
+    *,
+    method: str,
+    partial_handoffs: bool = True,
+    objective: str | None = None,
+    upper_bound_tok_s: float | None = None,
+    bound_method: str | None = None,
+    status: str = "evaluated",
+    solver: str | None = None,
+    wall_s: float = 0.0,
+    score: dict[str, float] | None = None,
+    stats: dict[str, Any] | None = None,
+    cap: CapacityModel | None = None,
+) -> Plan:
+    """Evaluate a placement on the cluster graph and wrap it as a checked plan."""
+    cap = cap or CapacityModel.build(cluster, profiles)
+    placement = {n: (int(s), int(e)) for n, (s, e) in placement.items()}
+    result = evaluate(cap, placement, partial_handoffs=partial_handoffs)
+    all_stats = dict(stats or {})
+    all_stats.update(placement_stats(cluster, profiles, placement, result.flows))
+    plan = Plan(
+        cluster=cluster.name,
+        model=cluster.model,
+        method=method,
+        placement=placement,
+        max_flow_tok_s=result.max_flow_tok_s,
+        upper_bound_tok_s=upper_bound_tok_s,
+        bound_method=bound_method,
+        flows=result.flows,
+        bottleneck=result.bottleneck,
+        status=status,
+        wall_s=round(wall_s, 3),
+        solver=solver,
+        objective=objective,
+        partial_handoffs=partial_handoffs,
+        score=score or {},
+        stats=all_stats,
+    )
+    check_plan_against(plan, cluster, cap, source=f"<{method} plan>")
+    return plan
+
+
+def check_plan_against(plan: Plan, cluster: ClusterSpec, cap: CapacityModel, *, source: str) -> None:
+    """``check_plan`` + ``check_flows`` for a plan on this cluster (ConfigError names ``source``)."""
+    if plan.model != cluster.model:
+        raise ConfigError(f"plan is for model {plan.model!r} but the cluster serves {cluster.model!r}", source=source, field="model")
+    check_plan(
+        plan,
+        num_layers=cap.num_layers,
+        node_ids=cluster.node_ids,
+        max_layers=cap.max_layers,
+        coordinator=cluster.coordinator.id,
+        source=source,
+    )
+    if plan.flows:
+        try:
+            check_flows(cap, dict(plan.placement), plan.flows, partial_handoffs=plan.partial_handoffs)
+        except ConfigError as exc:
+            raise ConfigError(exc.detail, source=source, field=exc.field) from None
+
+
+def _check_placement(cap: CapacityModel, placement: Placement, *, source: str) -> None:
+    for node, (s, e) in placement.items():
+        if node not in cap.max_layers:
+            raise ConfigError(f"node {node!r} is not in the cluster", source=source, field=f"placement.{node}")
+        if not 0 <= s < e <= cap.num_layers or e - s > cap.max_layers[node]:
+            raise ConfigError(f"range [{s}, {e}) is not valid for this node", source=source, field=f"placement.{node}")
+
+
+def load_checked_plan(path: str | Path, cluster: ClusterSpec, profiles: ProfileSet) -> Plan:
+    """Read a plan file and check it against the cluster (unknown nodes, coverage, limits, flows)."""
+    plan = load_plan(path)
+    cap = CapacityModel.build(cluster, profiles)
+    check_plan_against(plan, cluster, cap, source=str(path))
+    return plan
+
+
+def evaluate_plan(cluster: ClusterSpec, profiles: ProfileSet, plan: Plan, *, partial_handoffs: bool = True) -> Plan:
+    """Recompute a plan's max flow, flows and bottleneck on this cluster (keeps its method)."""
+    return finish_plan(
+        cluster,
+        profiles,
+        dict(plan.placement),
+        method=plan.method,
+        partial_handoffs=partial_handoffs,
+        objective="max-flow",
+        upper_bound_tok_s=plan.upper_bound_tok_s,
+        bound_method=plan.bound_method,
+        status="evaluated",
+        solver=plan.solver,
+    )
+
+
+__all__ = [
+    "METHODS",
+    "OBJECTIVES",
+    "HelixError",
+    "baseline_placements",
+    "evaluate_plan",
+    "finish_plan",
+    "load_checked_plan",
+    "make_plan",
+    "network_free_bound",
+]
