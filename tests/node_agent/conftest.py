@@ -1,0 +1,60 @@
+"""Fixtures for the engine tests: one CPU thread, SmolLM2 converted once, random tiny Llamas."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    from node_agent.gguf_convert import cached_model_dir
+
+    return cached_model_dir()
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_dir: Path) -> Any:
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+
+
+TINY_VARIANTS: dict[str, dict[str, Any]] = {
+    "gqa-tied-llama3": dict(
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+    ),
+    "mha-untied-linear": dict(
+        num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "linear", "factor": 2.0}, rope_theta=500.0,
+    ),
+    "mqa-default-headdim": dict(num_attention_heads=4, num_key_value_heads=1, head_dim=24, tie_word_embeddings=False),
+}
+
+
+def make_tiny_llama(root: Path, name: str, num_layers: int = 4) -> tuple[Path, Any]:
+    """A random-init ``LlamaForCausalLM`` saved as a HF dir; returns (dir, model)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(hash(name) % 1000)
+    config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=112, num_hidden_layers=num_layers,
+                         max_position_embeddings=256, rms_norm_eps=1e-5, **TINY_VARIANTS[name])
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # larger-than-init weights so layers really change the hidden states
+        for p in model.parameters():
+            p.mul_(5.0)
+    out = root / name
+    model.save_pretrained(out)
+    return out, model
+
+
+@pytest.fixture(scope="session", params=sorted(TINY_VARIANTS))
+def tiny_llama(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny"), request.param)
