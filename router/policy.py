@@ -1,0 +1,170 @@
+"""The routing facade the coordinator (and the simulator) drive: plan in, pipelines out.
+
+:class:`Router` owns one :class:`~router.iwrr.IWRR` per vertex (weights = the plan's flows),
+the :class:`~router.pipeline.Topology` of the placement and a
+:class:`~router.kv.KVEstimator`. ``route(request)`` builds the request's pipeline hop by hop
+(IWRR, skipping dead nodes and nodes whose KV would pass the watermark) and reserves its KV;
+``finish(request_id)`` releases it. Pure and step-driven: no sockets, no clocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Container, Mapping
+from dataclasses import dataclass
+
+from helix.errors import ConfigError
+from helix.plan import Plan
+from helix.profile import ProfileSet
+from helix.spec import ClusterSpec
+from router.iwrr import IWRR
+from router.kv import DEFAULT_WATERMARK, KVEstimator
+from router.pipeline import Chooser, Pipeline, Topology, build_pipeline
+
+
+@dataclass(slots=True)
+class RouteRequest:
+    """What routing needs to know about a request."""
+
+    request_id: object
+    prompt_tokens: int
+    expected_output_tokens: float | None = None  # None: the estimator's default
+
+
+def plan_flows(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet | None) -> dict[tuple[str, str], float]:
+    """The plan's flow per edge; computed with ``planner.graph`` when the plan carries none."""
+    if plan.flows:
+        return {(e.src, e.dst): e.tok_s for e in plan.flows}
+    if profiles is None:
+        raise ConfigError("the plan has no flows; give the profiles so they can be computed", field="flows")
+    from planner.graph import CapacityModel, evaluate
+
+    result = evaluate(
+        CapacityModel.build(cluster, profiles), dict(plan.placement), partial_handoffs=plan.partial_handoffs, with_cut=False
+    )
+    return {(e.src, e.dst): e.tok_s for e in result.flows}
+
+
+def kv_capacity_from_profiles(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet) -> dict[str, float]:
+    """KV entries each placed node holds, from ``kv_capacity_tokens_by_layers``."""
+    out: dict[str, float] = {}
+    for node, (s, e) in plan.placement.items():
+        tp = profiles.throughput(cluster.node(node).gpu, cluster.model)
+        if tp.kv_capacity_tokens_by_layers is not None:
+            out[node] = tp.kv_capacity_tokens_by_layers[e - s - 1]
+    return out
+
+
+class Router:
+    """Per-request pipelines by IWRR over the plan's flows, with KV high-watermark masking."""
+
+    def __init__(
+        self,
+        topology: Topology,
+        flows: Mapping[tuple[str, str], float],
+        kv: KVEstimator,
+        *,
+        mask_kv: bool = True,
+        chooser: Chooser | None = None,
+    ) -> None:
+        self.topology = topology
+        self.kv = kv
+        self.mask_kv = mask_kv
+        self.dead: set[str] = set()
+        self.pipelines: dict[object, Pipeline] = {}
+        self.iwrr: dict[str, IWRR] = {
+            v: IWRR(succ, [flows.get((v, c), 0.0) for c in succ]) for v, succ in topology.successors.items()
+        }
+        self._choose: Chooser = chooser if chooser is not None else self._iwrr_choose
+
+    def _iwrr_choose(self, vertex: str, excluded: Container[str], ok: Callable[[str], bool]) -> str | None:
+        return self.iwrr[vertex].pick(excluded, ok)
+
+    @classmethod
+    def from_plan(
+        cls,
+        plan: Plan,
+        cluster: ClusterSpec,
+        profiles: ProfileSet | None = None,
+        *,
+        kv_capacity: Mapping[str, float] | None = None,
+        watermark: float = DEFAULT_WATERMARK,
+        expected_output_tokens: float = 232.0,
+        num_layers: int | None = None,
+        **kwargs: object,
+    ) -> Router:
+        """A router for ``plan`` on ``cluster``. KV capacities come from ``kv_capacity``
+        (entries per node) or else from the profiles; flows from the plan or the profiles."""
+        if num_layers is None:
+            if profiles is None:
+                raise ConfigError("give the profiles or num_layers", field="num_layers")
+            num_layers = profiles.models[cluster.model].num_layers
+        if kv_capacity is None:
+            kv_capacity = kv_capacity_from_profiles(plan, cluster, profiles) if profiles is not None else {}
+        links = set(cluster.resolved_links())
+        topology = Topology(
+            cluster.coordinator.id, num_layers, plan.placement, links, partial_handoffs=plan.partial_handoffs
+        )
+        kv = KVEstimator(kv_capacity, watermark=watermark, expected_output_tokens=expected_output_tokens)
+        return cls(topology, plan_flows(plan, cluster, profiles), kv, **kwargs)  # type: ignore[arg-type]
+
+    # -- routing ----------------------------------------------------------------------------
+
+    def route(self, request: RouteRequest) -> Pipeline:
+        """Build ``request``'s pipeline and reserve its KV; NoRouteError if none exists now."""
+        kv = self.kv
+        tokens = kv.tokens_for(request.prompt_tokens, request.expected_output_tokens)
+        dead = self.dead
+        if self.mask_kv:
+            fits = kv.fits
+
+            def admissible(node: str, start: int, end: int) -> bool:
+                return node not in dead and fits(node, tokens * (end - start))
+        else:
+
+            def admissible(node: str, start: int, end: int) -> bool:
+                return node not in dead
+
+        pipeline = build_pipeline(self.topology, self._choose, admissible)
+        kv.reserve(request.request_id, [(s.node, s.layer_end - s.layer_start) for s in pipeline.stages], tokens)
+        self.pipelines[request.request_id] = pipeline
+        return pipeline
+
+    def finish(self, request_id: object) -> None:
+        """The request is done (or cancelled): release its KV reservation. Idempotent."""
+        self.kv.release(request_id)
+        self.pipelines.pop(request_id, None)
+
+    def pipeline_of(self, request_id: object) -> Pipeline | None:
+        return self.pipelines.get(request_id)
+
+    # -- cluster state ----------------------------------------------------------------------
+
+    def mark_dead(self, node: str) -> list[object]:
+        """Stop routing through ``node``; returns the requests in flight on it (to re-route)."""
+        self.dead.add(node)
+        return [rid for rid, p in self.pipelines.items() if node in p.nodes]
+
+    def mark_alive(self, node: str) -> None:
+        self.dead.discard(node)
+
+    def report_kv(self, node: str, *, used: float, reserved: float | None = None, capacity: float | None = None) -> None:
+        self.kv.report(node, used=used, reserved=reserved, capacity=capacity)
+
+    def has_route(self) -> bool:
+        """Whether a complete pipeline exists through live nodes (ignoring KV)."""
+        from helix.errors import NoRouteError
+
+        dead = self.dead
+        try:
+            build_pipeline(self.topology, lambda v, ex, ok: _first(self.topology.successors[v], ex, ok),
+                           lambda n, s, e: n not in dead)
+        except NoRouteError:
+            return False
+        return True
+
+
+def _first(cands: tuple[str, ...], excluded: Container[str], ok: Callable[[str], bool]) -> str | None:
+    for c in cands:
+        if c not in excluded and ok(c):
+            return c
+    return None
