@@ -1,0 +1,270 @@
+"""The planner's CLI commands: ``helix plan``, ``helix evaluate`` and ``helix show``.
+
+``helix.cli`` imports this module only when one of these commands runs. Output is for a
+person (rich tables on stdout, a live progress line on stderr) unless ``--json``, which
+prints only the plan JSON to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from helix.errors import ConfigError, HelixError
+from helix.plan import Plan
+from helix.profile import ProfileSet, load_profiles_for
+from helix.spec import ClusterSpec, load_cluster
+from planner.api import METHODS, OBJECTIVES, baseline_placements, evaluate_plan, finish_plan, load_checked_plan, make_plan
+from planner.graph import CapacityModel
+
+
+def _load(path: str) -> tuple[ClusterSpec, ProfileSet]:
+    cluster = load_cluster(path)
+    return cluster, load_profiles_for(cluster)
+
+
+# -- helix plan ------------------------------------------------------------------------------
+
+
+def add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("cluster", help="cluster YAML (profiles are found from it)")
+    p.add_argument("--method", default="helix", choices=METHODS, help="planner (default: helix, our optimizer)")
+    p.add_argument("--objective", default="serving", choices=OBJECTIVES, help="what the helix method optimizes")
+    p.add_argument("--time-limit", type=float, default=60.0, metavar="S", help="solve time limit in seconds")
+    p.add_argument("--threads", type=int, default=2, metavar="N", help="solver threads (default 2)")
+    p.add_argument("--no-partial", action="store_true", help="no partial-layer hand-offs (next node starts where the last ended)")
+    p.add_argument("--prune-links", type=float, default=0.0, metavar="FRAC", help="drop the slowest FRAC of each node's links")
+    p.add_argument("--warm-start", metavar="PLAN", help="start the search from this plan file's placement")
+    p.add_argument("--stop-at-bound", action="store_true", help="stop as soon as the result meets the proven bound")
+    p.add_argument("--solver", default="highs", choices=("highs", "cbc", "gurobi"), help="MILP solver (default highs)")
+    p.add_argument("--seed", type=int, default=0, help="random seed of the search")
+    p.add_argument("--compare", action="store_true", help="also show the baselines' max flow beside ours")
+    p.add_argument("--json", action="store_true", help="print only the plan JSON to stdout")
+    p.add_argument("-o", "--output", metavar="PLAN", help="write the plan to this file (.json or .yaml)")
+
+
+class _ProgressLine:
+    """A one-line live status on stderr: incumbent, bound, elapsed."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.console = Console(stderr=True, highlight=False)
+        self.enabled = enabled and self.console.is_terminal
+        self.t0 = time.monotonic()
+        self.status: Any = None
+
+    def __enter__(self) -> _ProgressLine:
+        if self.enabled:
+            self.status = self.console.status("planning…")
+            self.status.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.status is not None:
+            self.status.__exit__(None, None, None)
+
+    def __call__(self, report: Any) -> None:
+        if self.status is None:
+            return
+        inc = _field(report, "incumbent_tok_s", "incumbent", "best")
+        bnd = _field(report, "bound_tok_s", "upper_bound_tok_s", "bound")
+        parts = [f"incumbent {inc:.1f} tok/s" if inc is not None else "incumbent —"]
+        parts.append(f"bound {bnd:.1f}" if bnd is not None else "bound —")
+        parts.append(f"{time.monotonic() - self.t0:.0f} s")
+        msg = _field(report, "message", "phase")
+        if isinstance(msg, str) and msg:
+            parts.append(msg)
+        self.status.update("planning: " + ", ".join(parts))
+
+
+def _field(report: Any, *names: str) -> Any:
+    for name in names:
+        if isinstance(report, dict) and name in report:
+            return report[name]
+        if hasattr(report, name):
+            return getattr(report, name)
+    return None
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    if args.threads < 1:
+        raise ConfigError("must be at least 1", field="--threads")
+    if args.time_limit <= 0:
+        raise ConfigError("must be positive", field="--time-limit")
+    cluster, profiles = _load(args.cluster)
+    warm = None
+    if args.warm_start:
+        warm = dict(load_checked_plan(args.warm_start, cluster, profiles).placement)
+    with _ProgressLine(enabled=not args.json) as progress:
+        plan = make_plan(
+            cluster,
+            profiles,
+            method=args.method,
+            objective=args.objective,
+            time_limit_s=args.time_limit,
+            threads=args.threads,
+            partial_handoffs=not args.no_partial,
+            prune_links=args.prune_links,
+            warm_start=warm,
+            stop_at_bound=args.stop_at_bound,
+            solver=args.solver,
+            seed=args.seed,
+            on_progress=progress,
+        )
+    if args.output:
+        plan.save(args.output)
+    if args.json:
+        sys.stdout.write(plan.to_json() + "\n")
+        return 0
+    console = Console(highlight=False)
+    print_plan(console, plan, cluster, profiles)
+    if args.compare:
+        print_compare(console, plan, cluster, profiles, partial_handoffs=not args.no_partial)
+    if args.output:
+        console.print(f"plan written to [bold]{args.output}[/]")
+    return 0
+
+
+def print_plan(console: Console, plan: Plan, cluster: ClusterSpec, profiles: ProfileSet) -> None:
+    cap = CapacityModel.build(cluster, profiles)
+    gpu = {n.id: n.gpu for n in cluster.nodes}
+    through: dict[str, float] = {}
+    for e in plan.flows:
+        if e.dst != cluster.coordinator.id:
+            through[e.dst] = through.get(e.dst, 0.0) + e.tok_s
+    table = Table(title=f"{plan.cluster} · {plan.model} · method {plan.method}")
+    for col in ("node", "GPU", "layers", "#", "flow tok/s", "capacity tok/s", "util"):
+        table.add_column(col, justify="right" if col not in ("node", "GPU", "layers") else "left")
+    for node, s, e in plan.stages():
+        c = cap.node_capacity(node, e - s)
+        f = through.get(node, 0.0)
+        util = f / c if c > 0 else 0.0
+        style = "bold red" if util > 0.999 else ("dim" if f <= 1e-9 else "")
+        table.add_row(node, gpu[node], f"[{s}, {e})", str(e - s), f"{f:.1f}", f"{c:.1f}", f"{util:.0%}", style=style)
+    idle = [n for n in cluster.node_ids if n not in plan.placement]
+    for node in idle:
+        table.add_row(node, gpu[node], "—", "0", "0.0", "—", "—", style="dim")
+    console.print(table)
+    line = f"[bold]max flow {plan.max_flow_tok_s:.1f} tok/s[/]"
+    if plan.upper_bound_tok_s:
+        gap = 1 - plan.max_flow_tok_s / plan.upper_bound_tok_s if plan.upper_bound_tok_s > 0 else 0.0
+        line += f"   upper bound {plan.upper_bound_tok_s:.1f} ({plan.bound_method}), gap {gap:.1%}"
+    console.print(line)
+    if plan.bottleneck:
+        shown = ", ".join(plan.bottleneck[:6]) + (f", … ({len(plan.bottleneck)} edges)" if len(plan.bottleneck) > 6 else "")
+        console.print(f"bottleneck (min cut): {shown}")
+    st = plan.stats
+    if "depth_mean" in st:
+        kv = f", min KV per layer {st['kv_tokens_min_layer']:,.0f} tokens" if "kv_tokens_min_layer" in st else ""
+        console.print(f"pipeline depth min/mean/max {st['depth_min']:.0f}/{st['depth_mean']:.1f}/{st['depth_max']:.0f} stages{kv}")
+    if plan.score:
+        console.print("serving score: " + ", ".join(f"{k} {v:.4g}" for k, v in plan.score.items()))
+    console.print(
+        f"method {plan.method}, objective {plan.objective}, status {plan.status}, "
+        f"solver {plan.solver or '—'}, wall {plan.wall_s:.1f} s, partial hand-offs {'on' if plan.partial_handoffs else 'off'}"
+    )
+
+
+def print_compare(console: Console, plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, *, partial_handoffs: bool) -> None:
+    table = Table(title="compared with the baselines")
+    for col in ("method", "max flow tok/s", "vs ours", "depth mean", "min KV/layer"):
+        table.add_column(col, justify="left" if col == "method" else "right")
+    rows = [(plan.method + " (this plan)", plan)]
+    for name, placement in baseline_placements(cluster, profiles).items():
+        rows.append((name, finish_plan(cluster, profiles, placement, method=name, partial_handoffs=partial_handoffs)))
+    for name, p in rows:
+        ratio = plan.max_flow_tok_s / p.max_flow_tok_s if p.max_flow_tok_s > 0 else float("inf")
+        kv = p.stats.get("kv_tokens_min_layer")
+        table.add_row(
+            name,
+            f"{p.max_flow_tok_s:.1f}",
+            f"{ratio:.2f}x",
+            f"{p.stats.get('depth_mean', 0):.1f}",
+            f"{kv:,.0f}" if kv is not None else "—",
+        )
+    from planner import baselines
+
+    for name in baselines.BASELINES:
+        if name not in {r[0] for r in rows}:
+            table.add_row(name, "infeasible", "—", "—", "—", style="dim")
+    console.print(table)
+
+
+# -- helix evaluate --------------------------------------------------------------------------
+
+
+def add_evaluate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("cluster", help="cluster YAML")
+    p.add_argument("plan", help="plan file (.json or .yaml) whose placement to evaluate")
+    p.add_argument("--no-partial", action="store_true", help="no partial-layer hand-offs")
+    p.add_argument("--json", action="store_true", help="print only the evaluated plan JSON")
+
+
+def run_evaluate(args: argparse.Namespace) -> int:
+    cluster, profiles = _load(args.cluster)
+    loaded = load_checked_plan(args.plan, cluster, profiles)
+    plan = evaluate_plan(cluster, profiles, loaded, partial_handoffs=not args.no_partial)
+    if args.json:
+        sys.stdout.write(plan.to_json() + "\n")
+        return 0
+    print_plan(Console(highlight=False), plan, cluster, profiles)
+    return 0
+
+
+# -- helix show ------------------------------------------------------------------------------
+
+
+def add_show_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("plan", help="plan file")
+    p.add_argument("--cluster", required=True, help="cluster YAML the plan is for")
+    p.add_argument("--png", required=True, metavar="OUT", help="where to write the chart")
+
+
+def run_show(args: argparse.Namespace) -> int:
+    cluster, profiles = _load(args.cluster)
+    plan = load_checked_plan(args.plan, cluster, profiles)
+    if not plan.flows:
+        plan = evaluate_plan(cluster, profiles, plan, partial_handoffs=plan.partial_handoffs)
+    draw_plan(plan, cluster, profiles, Path(args.png))
+    Console(highlight=False).print(f"wrote [bold]{args.png}[/]")
+    return 0
+
+
+def draw_plan(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, out: Path) -> None:
+    """Layer ranges per node as horizontal bars over the model's layers, shaded by utilization."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:  # pragma: no cover - matplotlib is a test/extra dependency
+        raise HelixError(f"helix show needs matplotlib ({exc})") from None
+    cap = CapacityModel.build(cluster, profiles)
+    gpu = {n.id: n.gpu for n in cluster.nodes}
+    through: dict[str, float] = {}
+    for e in plan.flows:
+        if e.dst != cluster.coordinator.id:
+            through[e.dst] = through.get(e.dst, 0.0) + e.tok_s
+    stages = plan.stages()
+    colors = {g: matplotlib.colormaps["tab10"](i) for i, g in enumerate(sorted(set(gpu.values())))}
+    fig, ax = plt.subplots(figsize=(10, max(3.0, 0.3 * len(stages) + 1.5)))
+    for row, (node, s, e) in enumerate(stages):
+        c = cap.node_capacity(node, e - s)
+        util = through.get(node, 0.0) / c if c else 0.0
+        ax.barh(row, e - s, left=s, color=colors[gpu[node]], alpha=0.35 + 0.65 * min(1.0, util), edgecolor="black")
+        ax.text(e + 0.3, row, f"{through.get(node, 0.0):.0f}/{c:.0f} tok/s", va="center", fontsize=7)
+    ax.set_yticks(range(len(stages)), [f"{n} ({gpu[n]})" for n, _, _ in stages], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlim(0, cap.num_layers * 1.15)
+    ax.set_xlabel("layer")
+    ax.set_title(f"{plan.cluster}: {plan.method}, max flow {plan.max_flow_tok_s:.1f} tok/s (opacity = utilization)")
+    handles = [matplotlib.patches.Patch(color=col, label=g) for g, col in colors.items()]
+    ax.legend(handles=handles, loc="lower right", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
