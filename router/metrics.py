@@ -1,0 +1,103 @@
+"""Prometheus metrics of the coordinator (one registry per coordinator, so tests can run several).
+
+Counters and histograms are updated as requests run; gauges that mirror state (per-node KV use,
+liveness, per-edge planned vs observed flow) are refreshed by :meth:`ServingMetrics.refresh`
+just before ``/metrics`` renders. Observed flow is the tokens that crossed each edge of the
+cluster graph (prompt tokens at prefill, one per decode step) over a sliding window.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+FLOW_WINDOW_S = 10.0
+
+
+class EdgeFlow:
+    """Tokens per edge over the last ``window_s`` seconds (a deque of (time, edge, tokens))."""
+
+    __slots__ = ("window_s", "_events", "_sums")
+
+    def __init__(self, window_s: float = FLOW_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._events: deque[tuple[float, tuple[str, str], int]] = deque()
+        self._sums: dict[tuple[str, str], int] = {}
+
+    def add(self, edges: Iterable[tuple[str, str]], tokens: int, now: float | None = None) -> None:
+        t = time.monotonic() if now is None else now
+        for edge in edges:
+            self._events.append((t, edge, tokens))
+            self._sums[edge] = self._sums.get(edge, 0) + tokens
+
+    def rates(self, now: float | None = None) -> dict[tuple[str, str], float]:
+        t = time.monotonic() if now is None else now
+        while self._events and self._events[0][0] < t - self.window_s:
+            _, edge, tokens = self._events.popleft()
+            self._sums[edge] -= tokens
+        return {edge: total / self.window_s for edge, total in self._sums.items()}
+
+
+class ServingMetrics:
+    """Every metric ``/metrics`` exposes."""
+
+    def __init__(self, planned_flows: Mapping[tuple[str, str], float]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("helix_requests", "HTTP generation requests by endpoint and outcome",
+                                ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("helix_prompt_tokens", "Prompt tokens admitted", registry=r)
+        self.generated_tokens = Counter("helix_generated_tokens", "Tokens generated and returned", registry=r)
+        self.ttft = Histogram("helix_time_to_first_token_seconds", "Time from arrival to first token",
+                              buckets=LATENCY_BUCKETS_S, registry=r)
+        self.tpot = Histogram("helix_time_per_output_token_seconds", "Time between output tokens of a request",
+                              buckets=TPOT_BUCKETS_S, registry=r)
+        self.latency = Histogram("helix_request_duration_seconds", "Time from arrival to the last token",
+                                 buckets=LATENCY_BUCKETS_S, registry=r)
+        self.reroutes = Counter("helix_reroutes", "In-flight requests moved to a new pipeline after a node died",
+                                registry=r)
+        self.rejected = Counter("helix_rejected_requests", "Requests refused at admission", ["reason"], registry=r)
+        self.running = Gauge("helix_running_requests", "Requests generating now", registry=r)
+        self.waiting = Gauge("helix_waiting_requests", "Requests waiting for a route (all masked)", registry=r)
+        self.ready = Gauge("helix_ready", "1 while at least one complete pipeline exists", registry=r)
+        self.node_alive = Gauge("helix_node_alive", "1 while the node's agent answers heartbeats", ["node"], registry=r)
+        self.kv_usage = Gauge("helix_node_kv_usage_ratio", "Estimated KV use / capacity per node", ["node"], registry=r)
+        self.kv_reported = Gauge("helix_node_kv_tokens", "KV tokens the agent reported, by kind (used, reserved, "
+                                 "capacity)", ["node", "kind"], registry=r)
+        self.flow_planned = Gauge("helix_edge_planned_flow_tok_s", "The plan's max-flow value on each edge",
+                                  ["src", "dst"], registry=r)
+        self.flow_observed = Gauge("helix_edge_observed_flow_tok_s", f"Tokens/s that crossed each edge over the "
+                                   f"last {FLOW_WINDOW_S:.0f} s", ["src", "dst"], registry=r)
+        self.edge_tokens = Counter("helix_edge_tokens", "Tokens that crossed each edge", ["src", "dst"], registry=r)
+        self.flow = EdgeFlow()
+        for (src, dst), tok_s in planned_flows.items():
+            self.flow_planned.labels(src, dst).set(tok_s)
+            self.flow_observed.labels(src, dst).set(0.0)
+
+    def tokens_moved(self, edges: list[tuple[str, str]], tokens: int) -> None:
+        self.flow.add(edges, tokens)
+        for src, dst in edges:
+            self.edge_tokens.labels(src, dst).inc(tokens)
+
+    def refresh(self, *, ready: bool, alive: Mapping[str, bool], kv_usage: Mapping[str, float],
+                kv_reports: Mapping[str, Mapping[str, float]], waiting: int, running: int) -> None:
+        self.ready.set(1.0 if ready else 0.0)
+        self.waiting.set(waiting)
+        self.running.set(running)
+        for node, up in alive.items():
+            self.node_alive.labels(node).set(1.0 if up else 0.0)
+        for node, ratio in kv_usage.items():
+            self.kv_usage.labels(node).set(ratio)
+        for node, report in kv_reports.items():
+            for kind, value in report.items():
+                self.kv_reported.labels(node, kind).set(value)
+        for (src, dst), rate in self.flow.rates().items():
+            self.flow_observed.labels(src, dst).set(rate)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,294 @@
+"""OpenAI-compatible HTTP bodies for ``/v1/completions`` and ``/v1/chat/completions``.
+
+Requests are pydantic v2 models that *ignore* unknown fields (the ``openai`` client and other
+tools send many optional fields Helix does not use: ``user``, ``presence_penalty`` at 0 ...) but
+validate every field Helix acts on: types, ranges, ``n == 1``, ``max_tokens`` between 1 and the
+server's cap (passed as validation context ``{"max_tokens_cap": N}``). This is a deliberate
+exception to DESIGN.md's ``extra="forbid"`` for HTTP bodies: forbidding would reject stock
+OpenAI clients. Fields that would change the output and that Helix cannot honour (``n > 1``,
+``logprobs``, ``echo``, ``best_of > 1``) are rejected, never silently ignored.
+
+Responses and streaming chunks follow OpenAI's shapes, plus one extension field ``helix``
+carrying the pipeline the request took. Errors use OpenAI's ``{"error": {...}}`` body.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+DEFAULT_MAX_TOKENS = 16
+MAX_STOP_STRINGS = 4
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    logprobs: Any = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("only n=1 is supported")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v: Any) -> Any:
+        if v not in (None, False, 0):
+            raise ValueError("logprobs are not supported")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> list[str]:
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        return stops
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _cap(cls, v: int | None, info: ValidationInfo) -> int | None:
+        cap = (info.context or {}).get("max_tokens_cap")
+        if v is not None and cap is not None and v > cap:
+            raise ValueError(f"max_tokens={v} exceeds this server's limit of {cap}")
+        return v
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+
+class CompletionRequest(_Request):
+    """Body of ``POST /v1/completions``. One prompt: a string or a list of token ids."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v: Any) -> str | list[int]:
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
+            if len(v) != 1:
+                raise ValueError("only one prompt per request is supported")
+            v = v[0]
+        if isinstance(v, str) and not v:
+            raise ValueError("prompt must not be empty")
+        if isinstance(v, list) and not v:
+            raise ValueError("prompt must not be empty")
+        return v
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> CompletionRequest:
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if self.best_of not in (None, 1):
+            raise ValueError("best_of > 1 is not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        return self
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Request):
+    """Body of ``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _merge_max(self, info: ValidationInfo) -> ChatCompletionRequest:
+        if self.max_tokens is None and self.max_completion_tokens is not None:
+            cap = (info.context or {}).get("max_tokens_cap")
+            if cap is not None and self.max_completion_tokens > cap:
+                raise ValueError(f"max_completion_tokens={self.max_completion_tokens} exceeds this server's limit of {cap}")
+            self.max_tokens = self.max_completion_tokens
+        return self
+
+
+# ----------------------------------------------------------------------------- responses
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class StageInfo(BaseModel):
+    node: str
+    layers: tuple[int, int]
+
+
+class HelixInfo(BaseModel):
+    """Extension field: the pipeline(s) the request ran on (more than one after a failover)."""
+
+    pipelines: list[list[StageInfo]]
+    reroutes: int = 0
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    helix: HelixInfo | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+    helix: HelixInfo | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    helix: HelixInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "helix"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# ----------------------------------------------------------------------------- errors
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    502: "server_error",
+    503: "service_unavailable",
+}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """An OpenAI-style error body for HTTP ``status``."""
+    detail = ErrorDetail(message=message, type=ERROR_TYPES.get(status, "server_error"), param=param, code=code)
+    return ErrorBody(error=detail).model_dump()
+
+
+def describe_validation_errors(errors: list[Any]) -> tuple[str, str | None]:
+    """One readable message (and the first offending parameter) from pydantic's error list."""
+    parts: list[str] = []
+    param: str | None = None
+    for err in errors[:3]:
+        loc = [str(x) for x in err.get("loc", ()) if x not in ("body",)]
+        where = ".".join(loc)
+        if param is None and loc:
+            param = loc[0]
+        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        parts.append(f"{where}: {msg}" if where else msg)
+    return "; ".join(parts) or "invalid request body", param
