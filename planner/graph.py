@@ -146,8 +146,8 @@ def evaluate(
     edges: list[FlowEdge] = []
     for u, outs in flow.items():
         for v, f in outs.items():
-            if f <= 0 or u in (SOURCE, _NIC_IN) or v in (SINK, _NIC_OUT):
-                continue
+            if f <= 0 or (u == SOURCE and v == _NIC_OUT) or (u == _NIC_IN and v == SINK):
+                continue  # the coordinator's NIC edges; its links are reported below
             if u.endswith("/in") and v.endswith("/out") and u[:-3] == v[:-4]:
                 continue  # the node's own compute edge
             edges.append(FlowEdge(src=_vertex_name(u, coord), dst=_vertex_name(v, coord), tok_s=float(f)))
