@@ -1,0 +1,170 @@
+"""Profiling a whole cluster: every GPU type through the engine, every link through ZeroMQ.
+
+:func:`profile_cluster` is what ``helix profile --cluster`` runs:
+
+1. for each GPU type of the cluster's nodes, measure the engine once on this machine
+   (:func:`profiler.measure.measure_device`), cached by model, device, dtype and settings;
+   nodes of one type share a profile, as the profiles file keys throughput by GPU type;
+2. its KV capacity and layer limit from the free memory a node of that type gets here
+   (free memory divided among the cluster's nodes on this host);
+3. every directed link whose two ends are on this machine, through ZeroMQ probes
+   (:mod:`profiler.links`);
+4. merge the measured GPU types and model into the cluster's profiles file (other entries
+   are kept) and write the measured links to ``links-measured.yaml`` next to the cluster.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from helix.errors import ConfigError
+from helix.profile import GpuProfile, ModelProfile, ProfileSet, ThroughputProfile, load_profile_file
+from helix.spec import ClusterSpec
+from profiler.files import CACHE_DIR_NAME, ProfileCache, write_links, write_profiles
+from profiler.links import LinkMeasurement, ProbeSet, host_of, is_local
+from profiler.measure import MeasureSettings, device_name, free_memory_bytes, measure_device, memory_limits
+
+log = logging.getLogger(__name__)
+
+LINKS_FILE_NAME = "links-measured.yaml"
+ENGINE_DTYPE = "float32"
+
+Notify = Callable[[str, str], None]  # (phase, message)
+
+
+@dataclass(slots=True)
+class ClusterProfileResult:
+    profiles_path: Path
+    links_path: Path | None
+    profiles: ProfileSet
+    links: list[LinkMeasurement] = field(default_factory=list)
+    cache_hits: list[str] = field(default_factory=list)
+    measured: list[str] = field(default_factory=list)
+    skipped_nodes: list[str] = field(default_factory=list)
+    wall_s: float = 0.0
+
+
+def default_model_dir(model: str) -> str:
+    """The engine's model directory for a cluster's model name (SmolLM2-135M is built in)."""
+    if "smollm2" in model.lower():
+        from node_agent.gguf_convert import cached_model_dir
+
+        return str(cached_model_dir())
+    raise ConfigError(f"no built-in weights for model {model!r}: pass --model-dir", field="--model-dir")
+
+
+def _model_fingerprint(model_dir: str) -> str:
+    cfg = Path(model_dir) / "config.json"
+    data = cfg.read_bytes() if cfg.is_file() else model_dir.encode()
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def _throughput(measured: dict[str, Any], free_bytes: float, settings: MeasureSettings) -> ThroughputProfile:
+    k_max, kv = memory_limits(measured, free_bytes, min_kv_tokens_per_layer=settings.min_kv_tokens_per_layer)
+    if k_max < 1:
+        raise ConfigError(f"not enough free memory ({free_bytes / 1e9:.2f} GB) for one layer with its KV budget")
+    return ThroughputProfile(
+        max_layers=k_max,
+        prefill_ms_per_layer=[tuple(p) for p in measured["prefill_ms_per_layer"]],
+        decode_ms_per_layer=[tuple(p) for p in measured["decode_ms_per_layer"]],
+        kv_capacity_tokens_by_layers=kv,
+    )
+
+
+def profile_cluster(
+    cluster: ClusterSpec,
+    *,
+    model_dir: str | None = None,
+    force: bool = False,
+    output: str | Path | None = None,
+    measure_links: bool = True,
+    settings: MeasureSettings | None = None,
+    notify: Notify | None = None,
+) -> ClusterProfileResult:
+    """Measure the cluster's GPU types and links; write the profiles and links files."""
+    t0 = time.perf_counter()
+    say = notify or (lambda _phase, _msg: None)
+    s = settings or MeasureSettings()
+    base = Path(cluster.source).parent
+    model_dir = model_dir or default_model_dir(cluster.model)
+    if not (Path(model_dir) / "config.json").is_file():
+        raise ConfigError("model directory has no config.json", source=model_dir, field="--model-dir")
+    cache = ProfileCache(base / CACHE_DIR_NAME)
+    device = device_name()
+    local_nodes = [n for n in cluster.nodes if is_local(host_of(n.address))]
+    skipped = [n.id for n in cluster.nodes if n not in local_nodes]
+    if not local_nodes:
+        raise ConfigError("no node of this cluster runs on this machine: run `helix profile` where the nodes are",
+                          source=cluster.source, field="nodes")
+    free = free_memory_bytes() / len(local_nodes)
+    result = ClusterProfileResult(profiles_path=Path(output) if output else cluster.profile_paths()[0],
+                                  links_path=None, profiles=ProfileSet())  # fmt: skip
+
+    gpus: dict[str, GpuProfile] = {}
+    model_constants: dict[str, Any] | None = None
+    for gpu in sorted({n.gpu for n in local_nodes}):
+        key = {"model": cluster.model, "weights": _model_fingerprint(model_dir), "device": device,
+               "dtype": ENGINE_DTYPE, "settings": s.key()}  # fmt: skip
+        measured = None if force else cache.get(key)
+        if measured is not None:
+            say("gpu", f"{gpu}: cached ({device}, {ENGINE_DTYPE})")
+            result.cache_hits.append(gpu)
+        else:
+            say("gpu", f"{gpu}: measuring the engine on {device}")
+            measured = measure_device(model_dir, s, progress=lambda m, g=gpu: say("gpu", f"{g}: {m}"))
+            cache.put(key, measured)
+            result.measured.append(gpu)
+        model_constants = measured
+        gpus[gpu] = GpuProfile(vram_gb=round(free / 1e9, 3), throughput={cluster.model: _throughput(measured, free, s)})
+    assert model_constants is not None
+    models = {cluster.model: ModelProfile(
+        num_layers=model_constants["num_layers"], hidden_size=model_constants["hidden_size"],
+        dtype_bytes=model_constants["dtype_bytes"], layer_weight_bytes=model_constants["layer_weight_bytes"],
+        kv_bytes_per_token_per_layer=model_constants["kv_bytes_per_token_per_layer"],
+    )}  # fmt: skip
+    measured_set = ProfileSet(models=models, gpus=gpus)
+    merged = measured_set
+    if result.profiles_path.is_file():
+        merged = load_profile_file(result.profiles_path).merged(measured_set)
+    header = (f"Measured by `helix profile` on {device} ({ENGINE_DTYPE}) for cluster {cluster.name}.\n"
+              "Latency curves are per ONE layer; vram_gb is the free memory a node gets on this host.")
+    write_profiles(result.profiles_path, merged, header)
+    result.profiles = merged
+
+    if measure_links:
+        result.links = _measure_links(cluster, local_nodes, force=force, cache=cache, say=say)
+        result.links_path = write_links(
+            base / LINKS_FILE_NAME, [m.as_dict() for m in result.links],
+            f"Links of cluster {cluster.name} measured through ZeroMQ probes (bulk transfer + ping).\n"
+            "Paste into the cluster's links: to plan with them.",
+        )  # fmt: skip
+    result.skipped_nodes = skipped
+    result.wall_s = time.perf_counter() - t0
+    return result
+
+
+def _measure_links(cluster: ClusterSpec, local_nodes: list[Any], *, force: bool, cache: ProfileCache,
+                   say: Notify) -> list[LinkMeasurement]:  # fmt: skip
+    coord = cluster.coordinator
+    hosts = {n.id: host_of(n.address) for n in local_nodes}
+    if is_local(host_of(coord.address)):
+        hosts[coord.id] = host_of(coord.address)
+    pairs = [(a, b) for (a, b) in cluster.resolved_links() if a in hosts and b in hosts]
+    key = {"links": sorted(f"{a}->{b}@{hosts[a]}->{hosts[b]}" for a, b in pairs)}
+    cached = None if force else cache.get(key)
+    if cached is not None:
+        say("links", f"{len(pairs)} links: cached")
+        return [LinkMeasurement(**m) for m in cached["links"]]
+    out: list[LinkMeasurement] = []
+    with ProbeSet(hosts) as probes:
+        for src, dst in pairs:
+            say("links", f"link {src} -> {dst}")
+            out.append(probes.measure(src, dst))
+    cache.put(key, {"links": [m.as_dict() for m in out]})
+    return out

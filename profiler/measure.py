@@ -1,0 +1,206 @@
+"""Measuring one device through the real engine: per-layer latency curves, KV capacity, layer limit.
+
+:func:`measure_device` builds a :class:`node_agent.engine.StageEngine` holding a few *middle*
+layers ``[1, 1 + probe_layers)`` of the model (no embedding, no LM head: the per-layer cost is
+what the planner multiplies by the layers a node holds), and drives it exactly as an agent
+does, with ``add_request`` / ``push_hidden`` / ``step``:
+
+* **prefill**: one request of ``t`` prompt tokens in one step (chunking off), for every ``t`` in
+  ``prefill_tokens``; ms per layer = median step time / ``probe_layers``;
+* **decode**: ``b`` requests with ``context_tokens`` of context each, one new token each per
+  step, for every ``b`` in ``decode_batches``; ms per layer likewise.
+
+KV capacity comes from free memory (``MemAvailable`` on CPU, ``torch.cuda.mem_get_info`` on a
+GPU) divided among the nodes sharing the device, times ``MEMORY_UTILIZATION``, minus the
+weights of the layers held, over the engine's KV bytes per token per layer; the layer limit is
+the most layers whose weights fit while every layer keeps ``min_kv_tokens_per_layer`` of KV.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from helix.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+MEMORY_UTILIZATION = 0.9
+DEFAULT_PREFILL_TOKENS = (16, 64, 128, 256)
+DEFAULT_DECODE_BATCHES = (1, 2, 4, 8, 16, 32)
+DEFAULT_CONTEXT_TOKENS = 64
+DEFAULT_MIN_KV_TOKENS_PER_LAYER = 65536
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True, slots=True)
+class MeasureSettings:
+    """What to measure; part of the cache key so changed settings re-measure."""
+
+    probe_layers: int = 2
+    prefill_tokens: tuple[int, ...] = DEFAULT_PREFILL_TOKENS
+    decode_batches: tuple[int, ...] = DEFAULT_DECODE_BATCHES
+    context_tokens: int = DEFAULT_CONTEXT_TOKENS
+    repeats: int = 3
+    min_kv_tokens_per_layer: int = DEFAULT_MIN_KV_TOKENS_PER_LAYER
+
+    def key(self) -> dict[str, Any]:
+        return {
+            "probe_layers": self.probe_layers,
+            "prefill_tokens": list(self.prefill_tokens),
+            "decode_batches": list(self.decode_batches),
+            "context_tokens": self.context_tokens,
+            "repeats": self.repeats,
+        }
+
+
+def device_name(device: str = "cpu") -> str:
+    """A stable name of the device the engine runs on (part of the cache key)."""
+    if device.startswith("cuda"):
+        import torch
+
+        return f"cuda:{torch.cuda.get_device_name(torch.device(device))}"
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"cpu:{model}"
+
+
+def free_memory_bytes(device: str = "cpu") -> int:
+    """Memory an engine could still allocate on ``device``."""
+    if device.startswith("cuda"):
+        import torch
+
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return int(free)
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+
+
+def _median_ms(samples: list[float]) -> float:
+    return round(statistics.median(samples) * 1000, 4)
+
+
+def measure_device(
+    model_dir: str | Path,
+    settings: MeasureSettings | None = None,
+    *,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Per-layer prefill/decode curves of ``model_dir`` on this machine's engine (CPU, float32)."""
+    import torch
+
+    from node_agent.engine import StageEngine
+    from node_agent.sampling import SamplingParams
+    from node_agent.scheduler import SchedulerConfig
+
+    s = settings or MeasureSettings()
+    torch.set_num_threads(1)
+    note = progress or (lambda _msg: None)
+    try:
+        from node_agent.config import load_config
+
+        config = load_config(model_dir)
+    except Exception as exc:  # noqa: BLE001 - EngineError or I/O: report as a config problem
+        raise ConfigError(f"cannot load the model for profiling: {exc}", source=str(model_dir)) from None
+    layers = max(1, min(s.probe_layers, config.num_layers - 1))
+    start = 1 if config.num_layers > layers else 0
+    max_batch = max(s.decode_batches)
+    budget = max(max(s.prefill_tokens), max_batch)
+    kv_tokens = max_batch * (s.context_tokens + 64) + max(s.prefill_tokens) * 2 + 1024
+    engine = StageEngine(
+        model_dir, start, start + layers, kv_capacity_tokens=kv_tokens,
+        scheduler=SchedulerConfig(max_batch_size=max_batch, token_budget=budget, chunk_size=None),
+    )
+    hidden = config.hidden_size
+    sampling = SamplingParams(max_tokens=64)
+    counter = iter(range(1 << 30))
+
+    def add(tokens: int) -> str:
+        rid = f"probe-{next(counter)}"
+        engine.add_request(rid, sampling, prompt_len=tokens, layer_range=(start, start + layers))
+        engine.push_hidden(rid, torch.randn(tokens, hidden))
+        return rid
+
+    def timed_step() -> float:
+        t0 = time.perf_counter()
+        engine.step()
+        return time.perf_counter() - t0
+
+    timed_step_warm = add(32)  # warm-up: first-call allocations
+    engine.step()
+    engine.cancel(timed_step_warm)
+
+    prefill: list[list[float]] = []
+    for t in s.prefill_tokens:
+        note(f"prefill {t} tokens")
+        samples = []
+        for _ in range(s.repeats):
+            rid = add(t)
+            samples.append(timed_step())
+            engine.cancel(rid)
+        prefill.append([float(t), _median_ms(samples) / layers])
+
+    decode: list[list[float]] = []
+    for b in s.decode_batches:
+        note(f"decode batch {b}")
+        rids = [add(s.context_tokens) for _ in range(b)]
+        while any(engine.scheduler.running.get(r) is None or engine.scheduler.running[r].in_prefill for r in rids):
+            engine.step()
+        samples = []
+        for _ in range(s.repeats + 1):
+            for rid in rids:
+                engine.push_hidden(rid, torch.randn(1, hidden))
+            samples.append(timed_step())
+        for rid in rids:
+            engine.cancel(rid)
+        decode.append([float(b), _median_ms(samples[1:]) / layers])
+
+    weight_bytes = sum(p.numel() * p.element_size() for p in _layer_tensors(engine)) / layers
+    return {
+        "num_layers": config.num_layers,
+        "hidden_size": config.hidden_size,
+        "dtype_bytes": 4,
+        "layer_weight_bytes": float(weight_bytes),
+        "kv_bytes_per_token_per_layer": float(config.kv_bytes_per_token_per_layer(4)),
+        "prefill_ms_per_layer": prefill,
+        "decode_ms_per_layer": decode,
+    }
+
+
+def _layer_tensors(engine: Any) -> list[Any]:
+    """Every weight tensor of the engine's decoder layers (not embedding / LM head)."""
+    import dataclasses
+
+    return [getattr(w, f.name) for w in engine.model.layers.values() for f in dataclasses.fields(w)]
+
+
+def memory_limits(
+    measured: dict[str, Any], free_bytes: float, *, min_kv_tokens_per_layer: int = DEFAULT_MIN_KV_TOKENS_PER_LAYER
+) -> tuple[int, list[float]]:
+    """(max_layers, kv_capacity_tokens_by_layers) for a node with ``free_bytes`` of memory."""
+    usable = free_bytes * MEMORY_UTILIZATION
+    w = measured["layer_weight_bytes"]
+    kv_b = measured["kv_bytes_per_token_per_layer"]
+    per_layer = w + min_kv_tokens_per_layer * kv_b
+    k_max = min(measured["num_layers"], int(usable // per_layer))
+    return k_max, [float(int((usable - k * w) // kv_b)) for k in range(1, k_max + 1)]
