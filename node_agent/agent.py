@@ -1,0 +1,361 @@
+"""The ZeroMQ node agent: drives one :class:`~node_agent.engine.StageEngine` step by step.
+
+Sockets (all bound to loopback unless told otherwise):
+
+* **control** (ROUTER): coordinators connect here, prove the shared secret (HELLO -> CHALLENGE
+  -> AUTH -> WELCOME), then send ADMIT / STEP / CANCEL; the agent sends HEARTBEATs (KV usage and
+  queue lengths, every ~250 ms) and ERRORs back on it.
+* **data** (PULL): ACTIVATIONS from the previous stage of any request's pipeline.
+* outgoing PUSH sockets (one per peer): ACTIVATIONS to each request's next stage, TOKENS and
+  REFUSED to the request's coordinator (``reply_to``).
+
+The loop is single-threaded (Orca's iteration-level execution): drain arrivals, run one engine
+step, forward what it produced, heartbeat when due. A bad message is rejected (ERROR to the
+sender on the control plane, a log line on the data plane) and the agent keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import zmq
+
+from helix import wire
+from helix.errors import CapacityError, HelixError, ProtocolError
+from node_agent.transport import PushPool, configure, frame_tensor, sampling_params, tensor_frame
+
+log = logging.getLogger(__name__)
+
+MAX_DRAIN = 256  # messages taken from one socket per loop turn (keeps steps flowing under floods)
+TOMBSTONES = 65_536  # cancelled request ids remembered (late activations for them are dropped)
+MAX_HANDSHAKES = 1024
+
+
+class StageEngineLike(Protocol):
+    """What the agent needs from a stage engine (``node_agent.engine.StageEngine`` is one)."""
+
+    layer_start: int
+    layer_end: int
+
+    def add_request(self, request_id: str, sampling: Any, *, prompt_token_ids: list[int] | None = None,
+                    prompt_len: int | None = None, layer_range: tuple[int, int] | None = None) -> None: ...
+    def push_hidden(self, request_id: str, hidden: Any) -> None: ...
+    def push_token(self, request_id: str, token_id: int) -> None: ...
+    def cancel(self, request_id: str) -> None: ...
+    def has_request(self, request_id: str) -> bool: ...
+    def step(self) -> Any: ...
+    def kv_usage(self) -> Any: ...
+
+
+@dataclass(slots=True)
+class AgentConfig:
+    node_id: str
+    control_bind: str = "tcp://127.0.0.1:*"
+    data_bind: str = "tcp://127.0.0.1:*"
+    secret: bytes = b""
+    wire_dtype: str = "float32"  # "bfloat16" halves activation bytes (not bit-exact with fp32 runs)
+    heartbeat_interval_s: float = 0.25
+    max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES
+
+
+@dataclass(slots=True)
+class _Route:
+    """The agent's view of one request: where it sits in its pipeline and where results go."""
+
+    pipeline: tuple[wire.StageRef, ...]
+    hop: int
+    sampling: wire.SamplingSpec
+    max_tokens: int
+    prompt_tokens: int
+    reply_to: str
+    step: int = 0
+    sent_tokens: int = 0  # positions already forwarded to the next stage
+    forwarded: bool = False  # the next stage has its admission already
+
+    @property
+    def is_last(self) -> bool:
+        return self.hop == len(self.pipeline) - 1
+
+
+@dataclass(slots=True)
+class _Stats:
+    rejected: int = 0
+    refused: int = 0
+    steps: int = 0
+    tokens: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+class NodeAgent:
+    """One node's agent. ``run()`` blocks until :meth:`stop` (or SIGTERM/SIGINT via ``install_signals``)."""
+
+    def __init__(self, config: AgentConfig, engine: StageEngineLike, ctx: zmq.Context[Any] | None = None) -> None:
+        self.config, self.engine = config, engine
+        self.ctx = ctx or zmq.Context.instance()
+        self.control = self.ctx.socket(zmq.ROUTER)
+        self.data = self.ctx.socket(zmq.PULL)
+        for sock in (self.control, self.data):
+            configure(sock)
+            sock.setsockopt(zmq.MAXMSGSIZE, config.max_frame_bytes + 4096)
+        self.control.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.control.bind(config.control_bind)
+        self.data.bind(config.data_bind)
+        self.control_address: str = self.control.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.data_address: str = self.data.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.peers = PushPool(self.ctx)
+        self._routes: dict[str, _Route] = {}
+        self._tombstones: OrderedDict[str, None] = OrderedDict()
+        self._handshakes: OrderedDict[bytes, tuple[str, bytes, bytes]] = OrderedDict()  # identity -> name, nonces
+        self._coordinators: dict[bytes, str] = {}  # authenticated identity -> coordinator name
+        self._stopping = False
+        self._hb_seq = 0
+        self.stats = _Stats()
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def install_signals(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.stop())
+
+    def stop(self) -> None:
+        self._stopping = True
+
+    def close(self) -> None:
+        self.peers.close()
+        self.control.close(linger=0)
+        self.data.close(linger=0)
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.control, zmq.POLLIN)
+        poller.register(self.data, zmq.POLLIN)
+        next_hb = time.monotonic()
+        busy = False
+        try:
+            while not self._stopping:
+                wait_ms = 0 if busy else max(0, int((next_hb - time.monotonic()) * 1000))
+                ready = dict(poller.poll(min(wait_ms, 250)))
+                if self.control in ready:
+                    self._drain(self.control, self._on_control_frames)
+                if self.data in ready:
+                    self._drain(self.data, self._on_data_frames)
+                busy = self._step()
+                if time.monotonic() >= next_hb:
+                    self._heartbeat()
+                    next_hb = time.monotonic() + self.config.heartbeat_interval_s
+        finally:
+            self.close()
+
+    def _drain(self, sock: zmq.Socket[Any], handle: Any) -> None:
+        for _ in range(MAX_DRAIN):
+            try:
+                frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            handle(frames)
+
+    # -- control plane --------------------------------------------------------------------------
+
+    def _on_control_frames(self, frames: list[Any]) -> None:
+        identity, body = frames[0].bytes, frames[1:]
+        try:
+            msg = wire.decode(body, max_frame_bytes=self.config.max_frame_bytes)
+            if isinstance(msg, wire.Hello | wire.Auth):
+                self._handshake(identity, msg)
+            elif identity not in self._coordinators:
+                raise ProtocolError(f"{wire.KINDS[type(msg)]} before the handshake: send HELLO first")
+            elif isinstance(msg, wire.Admit):
+                self._on_admit(msg)
+            elif isinstance(msg, wire.Step):
+                self._on_step(msg)
+            elif isinstance(msg, wire.Cancel):
+                self._on_cancel(msg)
+            else:
+                raise ProtocolError(f"{wire.KINDS[type(msg)]} is not accepted on an agent's control socket")
+        except ProtocolError as exc:
+            self._reject("control", exc, identity)
+
+    def _handshake(self, identity: bytes, msg: wire.Hello | wire.Auth) -> None:
+        if isinstance(msg, wire.Hello):
+            nonce = wire.make_nonce()
+            self._handshakes[identity] = (msg.sender, msg.nonce, nonce)
+            while len(self._handshakes) > MAX_HANDSHAKES:
+                self._handshakes.popitem(last=False)
+            proof = wire.prove(self.config.secret, "agent", msg.nonce, nonce)
+            self._send_control(identity, wire.Challenge(self.config.node_id, nonce, proof))
+            self._coordinators.pop(identity, None)
+            return
+        pending = self._handshakes.pop(identity, None)
+        if pending is None:
+            raise ProtocolError("AUTH without a pending HELLO")
+        name, their_nonce, our_nonce = pending
+        if not wire.verify(self.config.secret, msg.proof, "coordinator", our_nonce, their_nonce):
+            self._send_control(identity, wire.Error("auth", "shared-secret proof rejected"))
+            log.warning("rejected a coordinator: wrong shared-secret proof")
+            return
+        self._coordinators[identity] = name
+        start, end = self.engine.layer_start, self.engine.layer_end
+        self._send_control(identity, wire.Welcome(self.config.node_id, start, end,
+                                                  self.engine.kv_usage().capacity_tokens, self.data_address))
+        log.info("coordinator %s authenticated", self._coordinators[identity])
+
+    def _send_control(self, identity: bytes, msg: wire.Message) -> bool:
+        try:
+            self.control.send_multipart([identity, *wire.encode(msg)], flags=zmq.NOBLOCK, copy=False)
+            return True
+        except (zmq.Again, zmq.ZMQError):  # peer gone (ROUTER_MANDATORY) or full
+            self._coordinators.pop(identity, None)
+            return False
+
+    def _on_admit(self, msg: wire.Admit) -> None:
+        me = msg.pipeline[0]
+        if me.node_id != self.config.node_id:
+            raise ProtocolError(f"ADMIT for {msg.request_id!r} names {me.node_id!r} as first stage, not this node")
+        route = _Route(msg.pipeline, 0, msg.sampling, msg.max_tokens, len(msg.prompt), msg.reply_to)
+        self._tombstones.pop(msg.request_id, None)
+        self._add(msg.request_id, route, prompt=list(msg.prompt))
+
+    def _on_step(self, msg: wire.Step) -> None:
+        route = self._routes.get(msg.request_id)
+        if route is None or not self.engine.has_request(msg.request_id):
+            log.debug("STEP for unknown request %s (finished or cancelled): dropped", msg.request_id)
+            return
+        if len(route.pipeline) == 1:
+            return  # the engine holds the whole model for it and loops tokens back itself
+        route.step = msg.step
+        self.engine.push_token(msg.request_id, msg.token_id)
+
+    def _on_cancel(self, msg: wire.Cancel) -> None:
+        self._forget(msg.request_id)
+
+    def _forget(self, request_id: str) -> None:
+        self.engine.cancel(request_id)
+        self._routes.pop(request_id, None)
+        self._tombstones[request_id] = None
+        while len(self._tombstones) > TOMBSTONES:
+            self._tombstones.popitem(last=False)
+
+    # -- data plane -----------------------------------------------------------------------------
+
+    def _on_data_frames(self, frames: list[Any]) -> None:
+        try:
+            msg = wire.decode(frames, max_frame_bytes=self.config.max_frame_bytes)
+            if not isinstance(msg, wire.Activations):
+                raise ProtocolError(f"{wire.KINDS[type(msg)]} is not accepted on an agent's data socket")
+            self._on_activations(msg)
+        except ProtocolError as exc:
+            self._reject("data", exc)
+
+    def _on_activations(self, msg: wire.Activations) -> None:
+        rid = msg.request_id
+        if rid in self._tombstones:
+            return
+        if rid not in self._routes:
+            if msg.admit is None:
+                log.debug("ACTIVATIONS for unknown request %s without admission: dropped", rid)
+                return
+            a = msg.admit
+            if a.hop == 0 or a.pipeline[a.hop].node_id != self.config.node_id:
+                raise ProtocolError(f"ACTIVATIONS for {rid!r}: hop {a.hop} of its pipeline is not this node")
+            route = _Route(a.pipeline, a.hop, a.sampling, a.max_tokens, a.prompt_tokens, a.reply_to)
+            if not self._add(rid, route, prompt=None):
+                return
+        try:
+            self.engine.push_hidden(rid, frame_tensor(msg))
+        except HelixError as exc:
+            self._refuse(rid, self._routes[rid], "bad_input", str(exc))
+
+    # -- admission and results ------------------------------------------------------------------
+
+    def _add(self, rid: str, route: _Route, prompt: list[int] | None) -> bool:
+        if rid in self._routes:
+            raise ProtocolError(f"request {rid!r} is already admitted on this node")
+        me = route.pipeline[route.hop]
+        try:
+            self.engine.add_request(rid, sampling_params(route.sampling, route.max_tokens),
+                                    prompt_token_ids=prompt, prompt_len=route.prompt_tokens,
+                                    layer_range=(me.layer_start, me.layer_end))
+        except CapacityError as exc:
+            self._refuse(rid, route, "capacity", exc.message)
+            return False
+        except HelixError as exc:
+            self._refuse(rid, route, "bad_request", exc.message)
+            return False
+        self._routes[rid] = route
+        return True
+
+    def _refuse(self, rid: str, route: _Route, code: str, reason: str) -> None:
+        log.warning("refused request %s (%s): %s", rid, code, reason)
+        self.stats.refused += 1
+        self._forget(rid)
+        self._reply(route.reply_to, wire.Refused(rid, self.config.node_id, code, reason))
+
+    def _reply(self, reply_to: str, msg: wire.Message) -> None:
+        if reply_to:
+            self.peers.send(reply_to, msg)
+            return
+        for identity in list(self._coordinators):
+            self._send_control(identity, msg)
+
+    def _step(self) -> bool:
+        result = self.engine.step()
+        if not result.outputs:
+            return False
+        self.stats.steps += 1
+        tokens: dict[str, list[wire.TokenOut]] = {}
+        for out in result.outputs:
+            route = self._routes.get(out.request_id)
+            if route is None:
+                continue
+            if out.hidden is not None:
+                self._forward(out.request_id, route, out.hidden)
+            elif out.token is not None:
+                route.step += 1
+                finished = out.finish_reason is not None
+                tokens.setdefault(route.reply_to, []).append(
+                    wire.TokenOut(out.request_id, route.step - 1, out.token, finished, out.finish_reason or ""))
+                if finished:
+                    self._routes.pop(out.request_id, None)
+        for reply_to, outs in tokens.items():
+            self.stats.tokens += len(outs)
+            self._reply(reply_to, wire.Tokens(self.config.node_id, tuple(outs)))
+        return True
+
+    def _forward(self, rid: str, route: _Route, hidden: Any) -> None:
+        nxt = route.pipeline[route.hop + 1]
+        shape, data = tensor_frame(hidden, self.config.wire_dtype)
+        admit = None
+        if not route.forwarded:
+            admit = wire.AdmitInfo(route.hop + 1, route.prompt_tokens, route.max_tokens, route.sampling,
+                                   route.pipeline, route.reply_to)
+        position, route.sent_tokens = route.sent_tokens, route.sent_tokens + shape[0]
+        msg = wire.Activations(rid, route.step, position, self.config.wire_dtype, shape, data, admit)
+        if self.peers.send(nxt.address, msg):
+            route.forwarded = True
+        else:
+            self._refuse(rid, route, "unreachable", f"next stage {nxt.node_id} at {nxt.address} is not reachable")
+
+    def _heartbeat(self) -> None:
+        if not self._coordinators:
+            return
+        usage = self.engine.kv_usage()
+        sched = getattr(self.engine, "scheduler", None)
+        waiting = len(sched.waiting) if sched is not None else 0
+        running = len(sched.running) if sched is not None else usage.num_requests
+        self._hb_seq += 1
+        hb = wire.Heartbeat(self.config.node_id, self._hb_seq, usage.used_tokens, usage.reserved_tokens,
+                            usage.capacity_tokens, waiting, running)
+        for identity in list(self._coordinators):
+            self._send_control(identity, hb)
+
+    def _reject(self, plane: str, exc: ProtocolError, identity: bytes | None = None) -> None:
+        self.stats.rejected += 1
+        self.stats.errors = [*self.stats.errors[-15:], exc.message]
+        log.warning("rejected a %s-plane message: %s", plane, exc.message)
+        if identity is not None:
+            self._send_control(identity, wire.Error("protocol", exc.message))

@@ -1,0 +1,108 @@
+"""``helix agent``: start one node agent of a planned cluster (also ``python -m node_agent``).
+
+The node's layer range comes from the plan's placement; the control socket binds to ``--bind``,
+else the node's ``address`` in the cluster file, else a free loopback port. The data socket binds
+to ``--data-bind`` or a free port on the same host. The shared secret is read from the
+environment variable named by ``--secret-env``; without one the agent only binds to loopback.
+Once serving, the agent prints one line ``READY node=... control=... data=...`` to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from helix.errors import ConfigError, EngineError
+
+log = logging.getLogger(__name__)
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+def add_agent_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cluster", required=True, help="cluster YAML")
+    p.add_argument("--plan", required=True, help="plan file (placement gives this node's layers)")
+    p.add_argument("--node", required=True, help="this node's id in the cluster")
+    p.add_argument("--model-dir", help="HF-style model dir (config.json + safetensors); default: SmolLM2-135M")
+    p.add_argument("--bind", help="control socket address (default: the node's address, else tcp://127.0.0.1:*)")
+    p.add_argument("--data-bind", help="data socket address (default: a free port on the control host)")
+    p.add_argument("--secret-env", default="HELIX_SECRET", help="env var holding the shared secret")
+    p.add_argument("--kv-capacity-tokens", type=int, default=65536)
+    p.add_argument("--max-batch-size", type=int, default=32)
+    p.add_argument("--token-budget", type=int, default=512)
+    p.add_argument("--chunk-size", type=int, default=256, help="prefill chunk (0 = no chunking)")
+    p.add_argument("--wire-dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1 when several agents share a host)")
+
+
+def _host(address: str) -> str:
+    return urlsplit(address.replace("tcp://", "http://", 1)).hostname or ""
+
+
+def run_agent(args: argparse.Namespace) -> int:
+    from helix.loading import load_model
+    from helix.plan import Plan
+    from helix.spec import load_cluster
+
+    cluster = load_cluster(args.cluster)
+    node = cluster.node(args.node)
+    plan = load_model(Plan, args.plan)
+    if args.node not in plan.placement:
+        raise ConfigError(f"node {args.node!r} holds no layers in this plan", source=args.plan, field="placement")
+    start, end = plan.placement[args.node]
+    control = args.bind or node.address or "tcp://127.0.0.1:*"
+    host = _host(control)
+    data = args.data_bind or control.rsplit(":", 1)[0] + ":*"
+    secret = os.environ.get(args.secret_env, "")
+    if not secret:
+        if host not in LOOPBACK_HOSTS or _host(data) not in LOOPBACK_HOSTS:
+            raise ConfigError(f"binding {control} beyond loopback needs a shared secret in ${args.secret_env}",
+                              field="--secret-env")
+        log.warning("no shared secret in $%s: accepting coordinators on loopback only", args.secret_env)
+    if args.model_dir is not None and not Path(args.model_dir).is_dir():
+        raise EngineError(f"{args.model_dir}: model directory not found (--model-dir)")
+    return serve_agent(node_id=args.node, layer_start=start, layer_end=end, model_dir=args.model_dir,
+                       control_bind=control, data_bind=data, secret=secret.encode(),
+                       kv_capacity_tokens=args.kv_capacity_tokens, max_batch_size=args.max_batch_size,
+                       token_budget=args.token_budget, chunk_size=args.chunk_size or None,
+                       wire_dtype=args.wire_dtype, threads=args.threads)  # fmt: skip
+
+
+def serve_agent(*, node_id: str, layer_start: int, layer_end: int, model_dir: str | None, control_bind: str,
+                data_bind: str, secret: bytes, kv_capacity_tokens: int = 65536, max_batch_size: int = 32,
+                token_budget: int = 512, chunk_size: int | None = 256, wire_dtype: str = "float32",
+                threads: int = 1) -> int:
+    """Load the stage, bind, print READY, serve until SIGTERM/SIGINT."""
+    import torch
+
+    from node_agent.agent import AgentConfig, NodeAgent
+    from node_agent.engine import StageEngine
+    from node_agent.gguf_convert import cached_model_dir
+    from node_agent.scheduler import SchedulerConfig
+
+    torch.set_num_threads(threads)
+    model_dir = model_dir or str(cached_model_dir())
+    engine = StageEngine(model_dir, layer_start, layer_end, kv_capacity_tokens=kv_capacity_tokens,
+                         scheduler=SchedulerConfig(max_batch_size=max_batch_size, token_budget=token_budget,
+                                                   chunk_size=chunk_size))  # fmt: skip
+    config = AgentConfig(node_id=node_id, control_bind=control_bind, data_bind=data_bind, secret=secret,
+                         wire_dtype=wire_dtype)
+    agent = NodeAgent(config, engine)
+    agent.install_signals()
+    print(f"READY node={node_id} layers={layer_start}:{layer_end} control={agent.control_address} "
+          f"data={agent.data_address}", flush=True)  # fmt: skip
+    agent.run()
+    log.info("agent %s stopped (%d steps, %d tokens, %d rejected)", node_id, agent.stats.steps,
+             agent.stats.tokens, agent.stats.rejected)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m node_agent``: the same as ``helix agent``."""
+    from helix.cli import main as cli_main
+
+    return cli_main(["agent", *(sys.argv[1:] if argv is None else argv)])

@@ -1,0 +1,424 @@
+"""The coordinator's side of the wire: connections to node agents (pure transport, no HTTP).
+
+:class:`AgentsIO` owns one background I/O thread and every ZeroMQ socket of the coordinator:
+
+* one DEALER per agent to its control socket: the shared-secret handshake (HELLO -> CHALLENGE ->
+  AUTH -> WELCOME, both sides prove the secret), then ADMIT / STEP / CANCEL out and HEARTBEATs in;
+* one PULL (the data plane's sink) where last stages push TOKENS and any stage pushes REFUSED.
+
+A request is ADMITted to its pipeline's first stage; every token that comes back is handed to
+the request's callback and, unless it finished, sent back to the first stage as STEP (only the
+new token). When a request finishes, is refused or cancelled, CANCEL frees its KV on every stage.
+An agent whose heartbeats stop for ``dead_after_s`` is declared dead (``on_agent_dead``); its
+in-flight requests end with an ``agent_dead`` error event so the caller can re-route them; the
+agent is re-handshaken until it answers again (``on_agent_alive``).
+
+Callbacks run on the I/O thread and must be quick; :class:`AsyncTokenStream` hands events to an
+asyncio loop. All public methods are thread-safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from helix import wire
+from helix.errors import NoRouteError, ProtocolError, RequestError
+
+log = logging.getLogger(__name__)
+
+HELLO_RETRY_S = 1.0
+TICK_S = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """One event of a request: a token (``token_id``), its end (``finished``), or an ``error``.
+
+    ``error_code``: ``capacity`` (can never fit in some stage's KV), ``agent_dead``, ``unreachable``,
+    ``bad_request`` ...; errors are always ``finished``. ``finish_reason``: ``stop``, ``length``,
+    ``cancelled`` or ``error``.
+    """
+
+    request_id: str
+    token_id: int | None
+    index: int
+    finished: bool = False
+    finish_reason: str | None = None
+    error_code: str | None = None
+    error: str | None = None
+    node_id: str | None = None
+
+
+TokenCallback = Callable[[TokenEvent], None]
+
+
+@dataclass(frozen=True, slots=True)
+class KVReport:
+    """The latest heartbeat of an agent: KV tokens and queue lengths, and how old it is."""
+
+    node_id: str
+    used_tokens: int
+    reserved_tokens: int
+    capacity_tokens: int
+    waiting: int
+    running: int
+    age_s: float
+
+
+@dataclass(slots=True)
+class AgentState:
+    node_id: str
+    control_address: str
+    alive: bool = False
+    welcome: wire.Welcome | None = None
+    heartbeat: wire.Heartbeat | None = None
+    heartbeat_at: float = 0.0
+    last_seen: float = 0.0
+    sock: Any = None
+    nonce: bytes = b""
+    hello_at: float = 0.0
+    auth_error: str | None = None
+
+
+@dataclass(slots=True)
+class _Flight:
+    request_id: str
+    wire_id: str
+    stages: tuple[wire.StageRef, ...]
+    on_token: TokenCallback | None
+    generated: int = 0
+
+
+class AgentsIO:
+    """Connections to a set of agents (``node_id -> control address``); see the module doc."""
+
+    def __init__(self, agents: Mapping[str, str], *, secret: bytes = b"", name: str = "coordinator",
+                 bind_host: str = "127.0.0.1", dead_after_s: float = 1.0,
+                 on_token: TokenCallback | None = None,
+                 on_agent_dead: Callable[[str], None] | None = None,
+                 on_agent_alive: Callable[[str, wire.Welcome], None] | None = None,
+                 max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES) -> None:  # fmt: skip
+        self.secret, self.name, self.dead_after_s = secret, name, dead_after_s
+        self.on_token, self.on_agent_dead, self.on_agent_alive = on_token, on_agent_dead, on_agent_alive
+        self.max_frame_bytes = max_frame_bytes
+        self.ctx: zmq.Context[Any] = zmq.Context()
+        self.sink = self.ctx.socket(zmq.PULL)
+        self.sink.setsockopt(zmq.LINGER, 0)
+        self.sink.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + 4096)
+        self.sink.bind(f"tcp://{bind_host}:*")
+        self.reply_to: str = self.sink.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._agents = {n: AgentState(n, a) for n, a in agents.items()}
+        self._flights: dict[str, _Flight] = {}  # by request_id
+        self._by_wire: dict[str, _Flight] = {}
+        self._attempts = itertools.count()
+        self._lock = threading.Lock()
+        self._inbox: deque[Callable[[], None]] = deque()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="agents-io", daemon=True)
+        self.rejected = 0
+
+    # -- public API (any thread) ----------------------------------------------------------------
+
+    def start(self) -> AgentsIO:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        self._wake_r.close()
+        self._wake_w.close()
+        self.ctx.destroy(linger=0)
+
+    def __enter__(self) -> AgentsIO:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def wait_ready(self, nodes: Iterable[str] | None = None, timeout_s: float = 30.0) -> bool:
+        """Block until ``nodes`` (default: all) completed the handshake; False on timeout."""
+        wanted = set(self._agents if nodes is None else nodes)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if wanted <= self.alive_nodes():
+                return True
+            time.sleep(0.02)
+        return False
+
+    def alive_nodes(self) -> set[str]:
+        with self._lock:
+            return {n for n, a in self._agents.items() if a.alive}
+
+    def agents(self) -> dict[str, AgentState]:
+        """A snapshot of every agent's state (alive, WELCOME, last heartbeat)."""
+        with self._lock:
+            return {n: AgentState(a.node_id, a.control_address, a.alive, a.welcome, a.heartbeat, a.heartbeat_at,
+                                  a.last_seen, auth_error=a.auth_error) for n, a in self._agents.items()}  # fmt: skip
+
+    def kv_reports(self) -> dict[str, KVReport]:
+        """Latest KV usage per alive agent that has sent a heartbeat."""
+        now = time.monotonic()
+        with self._lock:
+            return {n: KVReport(n, hb.kv_used_tokens, hb.kv_reserved_tokens, hb.kv_capacity_tokens, hb.waiting,
+                                hb.running, now - a.heartbeat_at)
+                    for n, a in self._agents.items() if a.alive and (hb := a.heartbeat) is not None}  # fmt: skip
+
+    def submit(self, request_id: str, prompt_ids: list[int], sampling: wire.SamplingSpec, pipeline: Any, *,
+               max_tokens: int, on_token: TokenCallback | None = None) -> None:
+        """Start a request on ``pipeline`` (a ``router.pipeline.Pipeline`` or a sequence of stages with
+        ``node``/``node_id``, ``layer_start``, ``layer_end``). Events go to ``on_token`` (or the default).
+
+        Raises ``NoRouteError`` if a stage's agent is not alive, ``RequestError`` for a bad request.
+        """
+        if not prompt_ids:
+            raise RequestError("the prompt has no tokens", param="prompt")
+        if max_tokens < 1:
+            raise RequestError(f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
+        with self._lock:
+            if request_id in self._flights:
+                raise RequestError(f"request {request_id!r} is already in flight", param="request_id")
+            stages = tuple(self._stage_ref(s) for s in getattr(pipeline, "stages", pipeline))
+            if not stages:
+                raise NoRouteError("empty pipeline")
+            flight = _Flight(request_id, f"{request_id}@{next(self._attempts)}", stages, on_token)
+            self._flights[request_id] = flight
+            self._by_wire[flight.wire_id] = flight
+        admit = wire.Admit(flight.wire_id, tuple(prompt_ids), max_tokens, sampling, stages, self.reply_to)
+        self._call(lambda: self._send(stages[0].node_id, admit))
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a request on every stage and free its KV; its callback gets a ``cancelled`` event."""
+        self._call(lambda: self._end(request_id, "cancelled"))
+
+    # -- internals (I/O thread unless noted) ----------------------------------------------------
+
+    def _stage_ref(self, stage: Any) -> wire.StageRef:  # caller holds the lock
+        node = getattr(stage, "node", None) or getattr(stage, "node_id", None)
+        agent = self._agents.get(node) if isinstance(node, str) else None
+        if agent is None:
+            raise NoRouteError(f"pipeline stage {stage!r}: unknown node")
+        if not agent.alive or agent.welcome is None:
+            raise NoRouteError(f"node {node!r} of the pipeline is not connected (dead or not yet ready)")
+        return wire.StageRef(node, int(stage.layer_start), int(stage.layer_end), agent.welcome.data_address)
+
+    def _call(self, fn: Callable[[], None]) -> None:  # any thread
+        self._inbox.append(fn)
+        self._wake()
+
+    def _wake(self) -> None:  # any thread
+        try:
+            self._wake_w.send(b"x")
+        except (BlockingIOError, OSError):
+            pass
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sink, zmq.POLLIN)
+        poller.register(self._wake_r.fileno(), zmq.POLLIN)
+        for agent in self._agents.values():
+            self._connect(agent, poller)
+        socks: dict[Any, AgentState] = {}
+        while not self._stop.is_set():
+            socks = {a.sock: a for a in self._agents.values()}
+            for item, _ in poller.poll(TICK_S * 1000):
+                if item is self.sink:
+                    self._drain(self.sink, self._on_sink)
+                elif item in socks:
+                    agent = socks[item]
+                    self._drain(item, lambda frames, a=agent: self._on_control(a, frames))
+            try:
+                while self._wake_r.recv(4096):
+                    pass
+            except (BlockingIOError, OSError):
+                pass
+            while self._inbox:
+                self._inbox.popleft()()
+            self._check_liveness(poller)
+        for agent in self._agents.values():
+            if agent.sock is not None:
+                agent.sock.close(linger=0)
+        self.sink.close(linger=0)
+
+    def _drain(self, sock: Any, handle: Callable[[list[Any]], None]) -> None:
+        for _ in range(1024):
+            try:
+                frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            handle(frames)
+
+    def _connect(self, agent: AgentState, poller: zmq.Poller) -> None:
+        if agent.sock is not None:
+            poller.unregister(agent.sock)
+            agent.sock.close(linger=0)
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes + 4096)
+        sock.connect(agent.control_address)
+        poller.register(sock, zmq.POLLIN)
+        agent.sock = sock
+        agent.nonce = wire.make_nonce()
+        agent.hello_at = time.monotonic()
+        self._send_raw(agent, wire.Hello(self.name, agent.nonce))
+
+    def _send_raw(self, agent: AgentState, msg: wire.Message) -> bool:
+        try:
+            agent.sock.send_multipart(wire.encode(msg), flags=zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:
+            log.warning("agent %s is not taking messages: dropped %s", agent.node_id, type(msg).__name__)
+            return False
+
+    def _send(self, node_id: str, msg: wire.Message) -> None:
+        agent = self._agents[node_id]
+        if not agent.alive or not self._send_raw(agent, msg):
+            if isinstance(msg, wire.Admit | wire.Step):
+                flight = self._by_wire.get(msg.request_id)
+                if flight is not None:
+                    self._fail(flight, "agent_dead", f"node {node_id!r} is not reachable", node_id)
+
+    def _on_control(self, agent: AgentState, frames: list[Any]) -> None:
+        try:
+            msg = wire.decode(frames, max_frame_bytes=self.max_frame_bytes)
+        except ProtocolError as exc:
+            self.rejected += 1
+            log.warning("agent %s sent a bad message: %s", agent.node_id, exc.message)
+            return
+        now = time.monotonic()
+        if isinstance(msg, wire.Challenge):
+            if not wire.verify(self.secret, msg.proof, "agent", agent.nonce, msg.nonce):
+                agent.auth_error = "the agent did not prove the shared secret"
+                log.error("agent %s at %s failed the shared-secret check", agent.node_id, agent.control_address)
+                return
+            if msg.node_id != agent.node_id:
+                agent.auth_error = f"expected node {agent.node_id!r}, the agent is {msg.node_id!r}"
+                log.error("agent at %s: %s", agent.control_address, agent.auth_error)
+                return
+            self._send_raw(agent, wire.Auth(wire.prove(self.secret, "coordinator", msg.nonce, agent.nonce)))
+        elif isinstance(msg, wire.Welcome):
+            with self._lock:
+                agent.welcome, agent.alive, agent.last_seen, agent.auth_error = msg, True, now, None
+            log.info("agent %s is alive (layers [%d, %d))", agent.node_id, msg.layer_start, msg.layer_end)
+            if self.on_agent_alive is not None:
+                self.on_agent_alive(agent.node_id, msg)
+        elif isinstance(msg, wire.Heartbeat) and agent.alive:
+            with self._lock:
+                agent.heartbeat, agent.heartbeat_at, agent.last_seen = msg, now, now
+        elif isinstance(msg, wire.Error):
+            if msg.code == "auth":
+                agent.auth_error = f"the agent rejected our shared secret: {msg.reason}"
+            log.warning("agent %s: error %s: %s", agent.node_id, msg.code, msg.reason)
+        elif isinstance(msg, wire.Tokens | wire.Refused):
+            self._on_result(msg)
+
+    def _on_sink(self, frames: list[Any]) -> None:
+        try:
+            msg = wire.decode(frames, max_frame_bytes=self.max_frame_bytes)
+            if not isinstance(msg, wire.Tokens | wire.Refused):
+                raise ProtocolError(f"{wire.KINDS[type(msg)]} is not accepted on the coordinator's sink")
+        except ProtocolError as exc:
+            self.rejected += 1
+            log.warning("rejected a data-plane message: %s", exc.message)
+            return
+        self._on_result(msg)
+
+    def _on_result(self, msg: wire.Tokens | wire.Refused) -> None:
+        if isinstance(msg, wire.Refused):
+            flight = self._by_wire.get(msg.request_id)
+            if flight is not None:
+                self._fail(flight, msg.code, f"node {msg.node_id}: {msg.reason}", msg.node_id)
+            return
+        for out in msg.tokens:
+            flight = self._by_wire.get(out.request_id)
+            if flight is None:
+                continue  # cancelled or re-routed meanwhile
+            flight.generated += 1
+            self._emit(flight, TokenEvent(flight.request_id, out.token_id, out.step, out.finished,
+                                          out.finish_reason or None, node_id=msg.node_id))  # fmt: skip
+            if out.finished:
+                self._drop(flight, "finished", skip_last=True)
+            elif len(flight.stages) > 1:
+                self._send(flight.stages[0].node_id, wire.Step(flight.wire_id, out.step, out.token_id))
+
+    def _emit(self, flight: _Flight, event: TokenEvent) -> None:
+        callback = flight.on_token or self.on_token
+        if callback is None:
+            return
+        try:
+            callback(event)
+        except Exception:  # a caller's bug must not kill the I/O thread
+            log.exception("token callback for %s failed", flight.request_id)
+
+    def _fail(self, flight: _Flight, code: str, reason: str, node_id: str | None) -> None:
+        self._drop(flight, f"error:{code}")
+        self._emit(flight, TokenEvent(flight.request_id, None, flight.generated, True, "error", code, reason, node_id))
+
+    def _end(self, request_id: str, reason: str) -> None:
+        flight = self._flights.get(request_id)
+        if flight is not None:
+            self._drop(flight, reason)
+            self._emit(flight, TokenEvent(request_id, None, flight.generated, True, reason))
+
+    def _drop(self, flight: _Flight, reason: str, skip_last: bool = False) -> None:
+        with self._lock:
+            self._flights.pop(flight.request_id, None)
+            self._by_wire.pop(flight.wire_id, None)
+        stages = flight.stages[:-1] if skip_last else flight.stages
+        for node in dict.fromkeys(s.node_id for s in stages):
+            agent = self._agents[node]
+            if agent.alive:
+                self._send_raw(agent, wire.Cancel(flight.wire_id, reason))
+
+    def _check_liveness(self, poller: zmq.Poller) -> None:
+        now = time.monotonic()
+        for agent in self._agents.values():
+            if agent.alive and now - agent.last_seen > self.dead_after_s:
+                with self._lock:
+                    agent.alive = False
+                log.warning("agent %s missed its heartbeats for %.1f s: dead", agent.node_id, now - agent.last_seen)
+                for flight in [f for f in self._flights.values() if any(s.node_id == agent.node_id for s in f.stages)]:
+                    self._fail(flight, "agent_dead", f"node {agent.node_id!r} died", agent.node_id)
+                if self.on_agent_dead is not None:
+                    self.on_agent_dead(agent.node_id)
+                self._connect(agent, poller)
+            elif not agent.alive and now - agent.hello_at > HELLO_RETRY_S:
+                agent.hello_at = now  # same socket and nonce: a late CHALLENGE still verifies
+                self._send_raw(agent, wire.Hello(self.name, agent.nonce))
+
+
+class AsyncTokenStream:
+    """Bridge to asyncio: pass ``stream.put`` as ``on_token``; ``async for event in stream`` until finished."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self._loop = loop or asyncio.get_running_loop()
+        self._queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+
+    def put(self, event: TokenEvent) -> None:  # I/O thread
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+
+    def __aiter__(self) -> AsyncTokenStream:
+        self._done = False
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        if self._done:
+            raise StopAsyncIteration
+        event = await self._queue.get()
+        self._done = event.finished
+        return event
