@@ -283,9 +283,15 @@ def build_paper_milp(cap: CapacityModel, *, partial_handoffs: bool = True, cap_o
     nodes = list(cap.node_tok_s)
     index = {n: i for i, n in enumerate(nodes)}
     prob = pulp.LpProblem("helix_paper_placement", pulp.LpMaximize)
-    start = {n: pulp.LpVariable(_var_name("s", index[n]), 0, num - 1, cat=pulp.LpInteger) for n in nodes}
+
+    def var(name: str, low: float | None = None, up: float | None = None, cat: str = pulp.LpContinuous) -> pulp.LpVariable:
+        if hasattr(prob, "add_variable"):  # pulp >= 3.3
+            return prob.add_variable(name, low, up, cat=cat)
+        return pulp.LpVariable(name, low, up, cat=cat)
+
+    start = {n: var(_var_name("s", index[n]), 0, num - 1, cat=pulp.LpInteger) for n in nodes}
     count = {
-        n: {k: pulp.LpVariable(_var_name("b", index[n], k), cat=pulp.LpBinary) for k in range(1, min(cap.max_layers[n], num) + 1)}
+        n: {k: var(_var_name("b", index[n], k), cat=pulp.LpBinary) for k in range(1, min(cap.max_layers[n], num) + 1)}
         for n in nodes
     }
     end = {n: start[n] + pulp.lpSum(k * v for k, v in count[n].items()) for n in nodes}
@@ -299,8 +305,8 @@ def build_paper_milp(cap: CapacityModel, *, partial_handoffs: bool = True, cap_o
         if a == coord and b == coord:
             continue
         key = (a, b)
-        flow[key] = pulp.LpVariable(_var_name("f", vid(a), vid(b)), 0)
-        valid[key] = pulp.LpVariable(_var_name("d", vid(a), vid(b)), cat=pulp.LpBinary)
+        flow[key] = var(_var_name("f", vid(a), vid(b)), 0)
+        valid[key] = var(_var_name("d", vid(a), vid(b)), cat=pulp.LpBinary)
 
     source_out = pulp.lpSum(f for (a, _), f in flow.items() if a == coord)
     prob += source_out
@@ -394,7 +400,7 @@ def solve_paper_milp(
         initial = warm_start_values(model, work, warm_start, partial_handoffs=partial_handoffs)
     stats = {
         "variables": len(model.prob.variables()),
-        "constraints": len(model.prob.constraints),
+        "constraints": model.prob.numConstraints(),
         "links": len(model.flow),
         "pruned_links": len(cap.links) - len(work.links),
     }
