@@ -1,0 +1,182 @@
+"""helix.wire: every message round-trips; every class of bad message is a ProtocolError."""
+
+from __future__ import annotations
+
+import random
+import struct
+
+import msgpack
+import pytest
+
+from helix import wire
+from helix.errors import ProtocolError
+
+PIPE = (wire.StageRef("a", 0, 10, "tcp://127.0.0.1:5001"), wire.StageRef("b", 10, 30, "tcp://127.0.0.1:5002"))
+SAMPLING = wire.SamplingSpec(temperature=0.7, top_k=40, top_p=0.9, seed=7, stop_token_ids=(2, 49152))
+HIDDEN = struct.pack("<6f", *range(6))
+
+MESSAGES: list[wire.Message] = [
+    wire.Hello("coordinator", wire.make_nonce()),
+    wire.Challenge("a", wire.make_nonce(), b"p" * 32),
+    wire.Auth(b"q" * 32),
+    wire.Welcome("a", 0, 10, 65536, "tcp://127.0.0.1:5001"),
+    wire.Admit("r1", (1, 2, 3), 16, SAMPLING, PIPE, "tcp://127.0.0.1:6000"),
+    wire.Admit("r2", (5,), 1, wire.SamplingSpec(), PIPE[:1]),
+    wire.Step("r1", 3, 42),
+    wire.Cancel("r1", "finished"),
+    wire.Heartbeat("a", 9, 100, 300, 65536, 2, 5),
+    wire.Refused("r1", "b", "capacity", "needs 9000 KV tokens, holds 4096"),
+    wire.Error("protocol", "bad header"),
+    wire.Activations("r1", 0, 0, "float32", (2, 3), HIDDEN),
+    wire.Activations("r1", 0, 16, "bfloat16", (3, 2), b"\x01\x02" * 6,
+                     wire.AdmitInfo(1, 19, 16, SAMPLING, PIPE, "tcp://127.0.0.1:6000")),
+    wire.Tokens("b", (wire.TokenOut("r1", 0, 17), wire.TokenOut("r2", 4, 2, True, "stop"))),
+]
+
+
+def _same(a: wire.Message, b: wire.Message) -> bool:
+    if isinstance(a, wire.Activations) and isinstance(b, wire.Activations):
+        return bytes(a.data) == bytes(b.data) and {**_fields(a), "data": 0} == {**_fields(b), "data": 0}
+    return a == b
+
+
+def _fields(m: wire.Message) -> dict[str, object]:
+    return {k: getattr(m, k) for k in m.__slots__}  # type: ignore[union-attr]
+
+
+def _frames(header: dict[str, object], *payload: bytes) -> list[bytes]:
+    return [msgpack.packb({"v": wire.PROTOCOL_VERSION, **header}, use_bin_type=True), *payload]
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_round_trip(msg: wire.Message) -> None:
+    frames = wire.encode(msg)
+    assert _same(wire.decode(frames), msg)
+    assert _same(wire.decode([bytes(f) for f in frames]), msg)  # bytes or buffers, same result
+
+
+def test_tensor_travels_as_raw_bytes_not_msgpack_lists() -> None:
+    data = b"\xab\xcd" * 576 * 4
+    frames = wire.encode(wire.Activations("r", 0, 0, "bfloat16", (4, 576), data))
+    assert len(frames) == 2 and bytes(frames[1]) == data
+    assert len(frames[0]) < 100  # the header holds dtype + shape, not the values
+    assert msgpack.unpackb(frames[0])["shape"] == [4, 576]
+
+
+def test_handshake_proofs() -> None:
+    c, a = wire.make_nonce(), wire.make_nonce()
+    proof = wire.prove(b"s3cret", "coordinator", a, c)
+    assert wire.verify(b"s3cret", proof, "coordinator", a, c)
+    assert not wire.verify(b"wrong", proof, "coordinator", a, c)
+    assert not wire.verify(b"s3cret", proof, "agent", a, c)  # no reflection of the agent's own proof
+    assert not wire.verify(b"s3cret", proof, "coordinator", c, a)
+
+
+BAD: dict[str, tuple[list[bytes], str]] = {
+    "empty": ([], "no header frame"),
+    "not msgpack": ([b"\xc1\xc1garbage"], "not valid msgpack"),
+    "truncated": ([wire.encode(MESSAGES[4])[0][:-3]], "not valid msgpack"),
+    "trailing bytes": ([wire.encode(MESSAGES[6])[0] + b"\x00"], "not valid msgpack"),
+    "not a map": ([msgpack.packb([1, 2, 3])], "must be a map"),
+    "no version": ([msgpack.packb({"k": "CANCEL", "request_id": "r"})], "protocol version None"),
+    "wrong version": ([msgpack.packb({"v": 99, "k": "CANCEL", "request_id": "r"})], "protocol version 99"),
+    "no kind": (_frames({"request_id": "r"}), "no message kind"),
+    "unknown kind": (_frames({"k": "LAUNCH", "request_id": "r"}), "unknown message kind 'LAUNCH'"),
+    "unknown field": (_frames({"k": "CANCEL", "request_id": "r", "force": True}), "unknown field(s) force"),
+    "missing field": (_frames({"k": "STEP", "request_id": "r", "step": 1}), "STEP.token_id: missing"),
+    "bool as int": (_frames({"k": "STEP", "request_id": "r", "step": True, "token_id": 1}), "STEP.step"),
+    "negative": (_frames({"k": "STEP", "request_id": "r", "step": -1, "token_id": 1}), "STEP.step"),
+    "string as int": (_frames({"k": "STEP", "request_id": "r", "step": "1", "token_id": 1}), "STEP.step"),
+    "empty id": (_frames({"k": "CANCEL", "request_id": ""}), "CANCEL.request_id"),
+    "short nonce": (_frames({"k": "HELLO", "sender": "c", "nonce": b"123"}), "HELLO.nonce"),
+    "empty prompt": (_frames({"k": "ADMIT", "request_id": "r", "prompt": [], "max_tokens": 1, "sampling": {},
+                              "pipeline": [["a", 0, 30, "tcp://x:1"]]}), "ADMIT.prompt: must not be empty"),
+    "token id out of range": (_frames({"k": "ADMIT", "request_id": "r", "prompt": [1, 2**40], "max_tokens": 1,
+                                       "sampling": {}, "pipeline": [["a", 0, 30, "t"]]}), "ADMIT.prompt[1]"),
+    "nan temperature": (_frames({"k": "ADMIT", "request_id": "r", "prompt": [1], "max_tokens": 1,
+                                 "sampling": {"temperature": float("nan")}, "pipeline": [["a", 0, 30, "t"]]}),
+                        "ADMIT.sampling.temperature"),
+    "unknown sampling field": (_frames({"k": "ADMIT", "request_id": "r", "prompt": [1], "max_tokens": 1,
+                                        "sampling": {"beams": 4}, "pipeline": [["a", 0, 30, "t"]]}), "beams"),
+    "gap in pipeline": (_frames({"k": "ADMIT", "request_id": "r", "prompt": [1], "max_tokens": 1, "sampling": {},
+                                 "pipeline": [["a", 0, 10, "t"], ["b", 12, 30, "t"]]}), "previous stage ends at 10"),
+    "empty layer range": (_frames({"k": "ADMIT", "request_id": "r", "prompt": [1], "max_tokens": 1, "sampling": {},
+                                   "pipeline": [["a", 5, 5, "t"]]}), "layer_end"),
+    "tensor size mismatch": (_frames({"k": "ACTIVATIONS", "request_id": "r", "step": 0, "position": 0,
+                                      "dtype": "float32", "shape": [2, 3]}, b"\x00" * 23), "need 24"),
+    "unknown dtype": (_frames({"k": "ACTIVATIONS", "request_id": "r", "step": 0, "position": 0,
+                               "dtype": "int64", "shape": [1, 1]}, b"\x00" * 8), "unsupported 'int64'"),
+    "3-d shape": (_frames({"k": "ACTIVATIONS", "request_id": "r", "step": 0, "position": 0,
+                           "dtype": "float32", "shape": [1, 1, 1]}, b"\x00" * 4), "ACTIVATIONS.shape"),
+    "no tensor frame": (_frames({"k": "ACTIVATIONS", "request_id": "r", "step": 0, "position": 0,
+                                 "dtype": "float32", "shape": [1, 1]}), "expected 1 tensor frame"),
+    "tensor as msgpack list": (_frames({"k": "ACTIVATIONS", "request_id": "r", "step": 0, "position": 0,
+                                        "dtype": "float32", "shape": [1, 2], "data": [0.0, 1.0]}, b"\x00" * 8),
+                               "unknown field(s) data"),
+    "extra frame": (_frames({"k": "CANCEL", "request_id": "r"}, b"junk"), "single header frame"),
+    "bad hop": (_frames({"k": "ACTIVATIONS", "request_id": "r", "step": 0, "position": 0, "dtype": "float32",
+                         "shape": [1, 1], "admit": {"hop": 5, "prompt_tokens": 1, "max_tokens": 1, "sampling": {},
+                                                    "pipeline": [["a", 0, 30, "t"]]}}, b"\x00" * 4),
+                "ACTIVATIONS.admit.hop"),
+    "bad token entry": (_frames({"k": "TOKENS", "node_id": "b", "tokens": [["r", 0, 1, "yes", ""]]}), "tokens[0]"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_messages_are_protocol_errors(name: str) -> None:
+    frames, fragment = BAD[name]
+    with pytest.raises(ProtocolError) as info:
+        wire.decode(frames)
+    assert fragment in info.value.message
+
+
+def test_oversized_frames_are_refused_before_parsing() -> None:
+    msg = wire.Activations("r", 0, 0, "float32", (256, 576), bytes(256 * 576 * 4))
+    frames = wire.encode(msg)
+    assert wire.decode(frames, max_frame_bytes=1 << 20).num_tokens == 256
+    with pytest.raises(ProtocolError, match="over the limit of 1000 bytes"):
+        wire.decode(frames, max_frame_bytes=1000)
+
+
+def test_encode_refuses_inconsistent_tensors() -> None:
+    with pytest.raises(ProtocolError, match="need 24"):
+        wire.encode(wire.Activations("r", 0, 0, "float32", (2, 3), b"\x00" * 10))
+
+
+def test_fuzz_mutations_only_ever_raise_protocol_error() -> None:
+    rng = random.Random(1234)
+    seeds = [wire.encode(m) for m in MESSAGES]
+    for _ in range(4000):
+        frames = [bytearray(bytes(f)) for f in rng.choice(seeds)]
+        target = frames[0] if rng.random() < 0.8 else frames[-1]
+        for _ in range(rng.randint(1, 4)):
+            op = rng.random()
+            if op < 0.5 and target:
+                target[rng.randrange(len(target))] = rng.randrange(256)
+            elif op < 0.75:
+                target.insert(rng.randrange(len(target) + 1), rng.randrange(256))
+            elif target:
+                del target[rng.randrange(len(target))]
+        try:
+            msg = wire.decode([bytes(f) for f in frames])
+        except ProtocolError:
+            continue
+        assert type(msg) in wire.KINDS  # a mutation may still be a valid message
+        wire.encode(msg)  # and then it re-encodes
+
+
+def test_fuzz_random_headers_only_ever_raise_protocol_error() -> None:
+    rng = random.Random(99)
+    values: list[object] = [None, True, -1, 0, 7, 2**63, 1.5, float("inf"), "", "x", b"\x00" * 32, [], [1], {}, {"a": 1},
+                            [["a", 0, 30, "t"]], ["a", 0]]
+    keys = ["request_id", "step", "token_id", "prompt", "max_tokens", "sampling", "pipeline", "dtype", "shape",
+            "position", "admit", "node_id", "tokens", "nonce", "proof", "sender", "seq", "reason", "code"]
+    for _ in range(3000):
+        header = {"v": wire.PROTOCOL_VERSION, "k": rng.choice(list(wire.KINDS.values()))}
+        for key in rng.sample(keys, rng.randint(0, 8)):
+            header[key] = rng.choice(values)
+        frames = [msgpack.packb(header, use_bin_type=True)] + ([b"\x00" * 4] if rng.random() < 0.3 else [])
+        try:
+            wire.decode(frames)
+        except ProtocolError:
+            pass
