@@ -1,0 +1,164 @@
+"""Upper bounds on the max flow of ANY placement of a cluster, each with a proof method.
+
+1. ``area``: every unit of flow passes every layer, node i spends its capacity on k_i layers,
+   so F * L <= sum_i max_k k * T_i(k)  (the paper's network-free bound, 2803.86 on single24).
+2. ``coordinator``: the flow leaves the coordinator over its links/NIC and comes back over
+   them: F <= min(sum of coordinator out-links, sum of in-links, NIC).
+3. ``layer-configurations`` (the tight one). For any placement and any layer l, the nodes
+   holding l form a vertex cut, so F <= sum_{i holds l} T_i(k_i). Forget where the strips
+   are and keep only *which kinds* (GPU type t, layer count k) cover each layer: a layer is
+   covered by a multiset c of kinds whose capacities sum to >= F (a "configuration"; only
+   minimal ones are needed). A placement then yields integers n_{t,k} (nodes of type t
+   holding k layers) and x_c (layers covered by configuration c) with
+
+       sum_c x_c = L,   sum_c mult_c(t,k) x_c <= k n_{t,k},   sum_k n_{t,k} <= N_t.
+
+   If this small MILP is infeasible at F, no placement reaches F. We bisect F and report
+   the smallest F proven infeasible. When there are too many configurations, capacities are
+   rounded *up* to multiples of F/Q (still a relaxation, so still a valid bound).
+   On single24 it proves 2045.64 (= the A100's T(8)), which the stage search attains.
+
+Links are ignored by 3 (it is a relaxation of the network-free problem), so the reported
+bound is min(1..3).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from planner.highs_model import Model
+from planner.instance import Instance
+
+MAX_CONFIGS = 6000
+
+
+@dataclass(slots=True)
+class Bound:
+    tok_s: float
+    method: str
+    proven: bool = True
+
+
+def area_bound(inst: Instance) -> float:
+    total = 0.0
+    for t, nodes in inst.type_nodes.items():
+        g = inst.gpus[t]
+        total += len(nodes) * max((k + 1) * g.tok_s[k] for k in range(g.max_layers))
+    return total / inst.num_layers
+
+
+def coordinator_bound(inst: Instance) -> float:
+    out = sum(inst.cap.token_link_tok_s(inst.coordinator, n) or 0.0 for n in inst.nodes)
+    back = sum(inst.cap.token_link_tok_s(n, inst.coordinator) or 0.0 for n in inst.nodes)
+    b = min(out, back)
+    if inst.cap.nic_gbps is not None:
+        b = min(b, inst.cap.nic_gbps * 1e9 / 8 / inst.cap.token_bytes)
+    return b
+
+
+def _configs(heights: list[float], need: float, limit: int) -> list[tuple[int, ...]] | None:
+    """Minimal multisets of indices into ``heights`` summing to >= need; None past ``limit``."""
+    order = sorted(range(len(heights)), key=lambda i: -heights[i])
+    out: list[tuple[int, ...]] = []
+    cur: list[int] = []
+
+    def rec(pos: int, total: float) -> bool:
+        if total >= need - 1e-9:
+            out.append(tuple(cur))
+            return len(out) <= limit
+        for p in range(pos, len(order)):
+            i = order[p]
+            # the remaining items are no taller than heights[i]; prune when even filling with
+            # enough copies is pointless is unnecessary: every branch terminates once total>=need
+            cur.append(i)
+            ok = rec(p, total + heights[i])
+            cur.pop()
+            if not ok:
+                return False
+        return True
+
+    return out if rec(0, 0.0) else None
+
+
+def configuration_feasible(inst: Instance, flow: float, *, time_limit_s: float = 10.0) -> bool | None:
+    """Whether the layer-configuration relaxation admits max flow >= ``flow``.
+
+    True/False are proofs (False => no placement reaches ``flow``); None = undecided."""
+    kinds = [(t, k) for t in inst.types for k in range(1, inst.gpus[t].max_layers + 1)]
+    counts = inst.counts()
+    exact_h = [inst.gpus[t].tok_s[k - 1] for t, k in kinds]
+    configs = _configs(exact_h, flow, MAX_CONFIGS)
+    classes: list[list[int]]  # height class -> kinds in it
+    if configs is not None:
+        classes = [[q] for q in range(len(kinds))]
+    else:
+        for quanta in (48, 32, 24, 16, 12, 8):
+            unit = flow / quanta
+            units = [min(quanta, math.ceil(h / unit - 1e-9)) for h in exact_h]
+            levels = sorted(set(units))
+            classes = [[q for q in range(len(kinds)) if units[q] == lv] for lv in levels]
+            configs = _configs([float(lv) for lv in levels], float(quanta), MAX_CONFIGS)
+            if configs is not None:
+                break
+        else:
+            return None
+    m = Model()
+    n_col = [m.add_col(0, counts[t], integer=True) for t, _ in kinds]
+    x_col = [m.add_col(0, inst.num_layers, integer=True) for _ in configs]
+    m.add_row(x_col, [1.0] * len(x_col), inst.num_layers, inst.num_layers)
+    for ci, members in enumerate(classes):
+        idx = [x_col[c] for c, cf in enumerate(configs) if ci in cf]
+        val = [float(configs[c].count(ci)) for c, cf in enumerate(configs) if ci in cf]
+        idx += [n_col[q] for q in members]
+        val += [-float(kinds[q][1]) for q in members]
+        m.add_row(idx, val, hi=0.0)
+    for t in inst.types:
+        idx = [n_col[q] for q, (tt, _) in enumerate(kinds) if tt == t]
+        m.add_row(idx, [1.0] * len(idx), hi=counts[t])
+    sol = m.solve(time_limit_s=time_limit_s)
+    if sol.status == "infeasible":
+        return False
+    if sol.x:
+        return True
+    return None
+
+
+def configuration_bound(
+    inst: Instance, *, lower: float, upper: float, time_limit_s: float = 20.0, rel_tol: float = 1e-5
+) -> float:
+    """Bisect the layer-configuration relaxation between a feasible ``lower`` (e.g. an achieved
+    max flow) and a valid ``upper``; returns the smallest flow proven unreachable (or ``upper``)."""
+    deadline = time.monotonic() + time_limit_s
+    lo, hi = lower, upper
+    if configuration_feasible(inst, hi, time_limit_s=max(0.1, deadline - time.monotonic())) is False:
+        pass
+    else:
+        return upper
+    while hi - lo > rel_tol * hi and time.monotonic() < deadline:
+        mid = (lo + hi) / 2
+        res = configuration_feasible(inst, mid, time_limit_s=max(0.1, deadline - time.monotonic()))
+        if res is False:
+            hi = mid
+        elif res is True:
+            lo = mid
+        else:
+            break
+    return hi
+
+
+def upper_bound(inst: Instance, *, achieved: float, time_limit_s: float = 20.0) -> Bound:
+    area = area_bound(inst)
+    coord = coordinator_bound(inst)
+    best = Bound(area, "area: sum_i max_k k*T_i(k) / L")
+    if coord < best.tok_s:
+        best = Bound(coord, "coordinator links/NIC")
+    cfg = configuration_bound(inst, lower=min(achieved, best.tok_s), upper=best.tok_s, time_limit_s=time_limit_s)
+    if cfg < best.tok_s:
+        best = Bound(
+            cfg,
+            "layer-configuration MILP (HiGHS): no integer choice of per-type layer counts lets every "
+            "layer be covered by nodes summing to more than this (bisection, proven infeasible above)",
+        )
+    return best

@@ -1,0 +1,96 @@
+"""A thin wrapper over highspy for the planner's small MILPs/LPs (stage patterns, bounds,
+the serving LP). One place knows the highspy API; the callers state rows and columns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import highspy
+import numpy as np
+
+INF = highspy.kHighsInf
+
+
+@dataclass(slots=True)
+class Solution:
+    status: str  # "optimal" | "infeasible" | "time_limit" | "feasible" | other HiGHS status text
+    x: list[float]
+    objective: float
+    dual_bound: float
+
+
+@dataclass(slots=True)
+class Model:
+    """Columns with bounds/cost/integrality, rows as sparse (index, value) lists."""
+
+    maximize: bool = False
+    lower: list[float] = field(default_factory=list)
+    upper: list[float] = field(default_factory=list)
+    cost: list[float] = field(default_factory=list)
+    integer: list[bool] = field(default_factory=list)
+    rows: list[tuple[list[int], list[float], float, float]] = field(default_factory=list)
+
+    def add_col(self, lo: float = 0.0, hi: float = INF, cost: float = 0.0, integer: bool = False) -> int:
+        self.lower.append(lo)
+        self.upper.append(hi)
+        self.cost.append(cost)
+        self.integer.append(integer)
+        return len(self.lower) - 1
+
+    def add_row(self, idx: list[int], val: list[float], lo: float = -INF, hi: float = INF) -> None:
+        self.rows.append((idx, val, lo, hi))
+
+    def solve(self, *, time_limit_s: float = 30.0, threads: int = 1, mip_gap: float = 1e-6) -> Solution:
+        h = highspy.Highs()
+        h.setOptionValue("output_flag", False)
+        h.setOptionValue("time_limit", max(0.05, float(time_limit_s)))
+        h.setOptionValue("threads", int(max(1, threads)))
+        h.setOptionValue("mip_rel_gap", mip_gap)
+        h.setOptionValue("random_seed", 0)
+        n = len(self.lower)
+        lp = highspy.HighsLp()
+        lp.num_col_ = n
+        lp.num_row_ = len(self.rows)
+        lp.col_cost_ = np.array(self.cost, dtype=float)
+        lp.col_lower_ = np.array(self.lower, dtype=float)
+        lp.col_upper_ = np.array(self.upper, dtype=float)
+        lp.row_lower_ = np.array([r[2] for r in self.rows], dtype=float)
+        lp.row_upper_ = np.array([r[3] for r in self.rows], dtype=float)
+        lp.sense_ = highspy.ObjSense.kMaximize if self.maximize else highspy.ObjSense.kMinimize
+        start, index, value = [0], [], []
+        for idx, val, _, _ in self.rows:
+            index.extend(idx)
+            value.extend(val)
+            start.append(len(index))
+        lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+        lp.a_matrix_.start_ = np.array(start, dtype=np.int32)
+        lp.a_matrix_.index_ = np.array(index, dtype=np.int32)
+        lp.a_matrix_.value_ = np.array(value, dtype=float)
+        if any(self.integer):
+            lp.integrality_ = [
+                highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous for i in self.integer
+            ]
+        h.passModel(lp)
+        h.run()
+        status = h.getModelStatus()
+        text = h.modelStatusToString(status).lower()
+        info = h.getInfo()
+        has_sol = info.primal_solution_status == 2  # kSolutionStatusFeasible
+        x = list(h.getSolution().col_value) if has_sol else []
+        if status == highspy.HighsModelStatus.kOptimal:
+            text = "optimal"
+        elif status == highspy.HighsModelStatus.kInfeasible:
+            text = "infeasible"
+        elif status == highspy.HighsModelStatus.kTimeLimit:
+            text = "time_limit"
+        obj = info.objective_function_value if has_sol else float("nan")
+        bound = getattr(info, "mip_dual_bound", obj) if any(self.integer) else obj
+        return Solution(status=text, x=x, objective=obj, dual_bound=bound)
+
+
+def highs_version() -> str:
+    h = highspy.Highs()
+    try:
+        return f"highs {h.version()}"
+    except Exception:  # pragma: no cover - older highspy
+        return "highs"

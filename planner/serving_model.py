@@ -1,0 +1,303 @@
+"""The serving objective: an estimate of the decode tokens/s a placement really delivers.
+
+Max flow counts prompt and decode tokens alike and ignores that every hop adds latency to
+every generated token and that a request's KV must fit on every node it passes. This model
+keeps both (Little's law on each request path), for a workload of ``P`` prompt and ``D``
+output tokens per request (Azure conversation trace means: 763 / 232):
+
+* Paths p: a decomposition of the max flow into source->sink paths, plus, for every node,
+  the shortest (lowest per-token latency) path through it. On p, node i runs ``l_ip`` layers
+  (fewer than it holds after a partial hand-off).
+* Per-token round trip  W_p = sum_i l_ip * d_i(b_i) + sum of link latencies on p
+  (coordinator -> first, hops, last -> coordinator), with d_i(b) the profile's
+  decode_ms_per_layer at decode batch b (else b / T_i(k_i), i.e. derived from tok_s).
+  Amortised prefill adds  pre_p / D  with pre_p = sum_i l_ip * prefill_ms_i(P) + latencies.
+  The batch b_i a node sees is the expected number of its in-flight requests currently at
+  it (n_i * its share of W_p), found by a short fixed-point iteration.
+* Variables n_p = requests in flight on p; each yields y_p = n_p / tau_p decode tokens/s,
+  tau_p = W_p + pre_p / D. The LP (HiGHS)
+
+      maximize   sum_p y_p
+      compute:   sum_{p through i} y_p (P + D) / D <= T_i(k_i)          (capacity model)
+      links:     sum_{p over e} y_p (P + D) / D <= capacity_e
+      KV:        sum_{p through i} n_p (P + D) l_ip <= watermark * KV_i(k_i)
+
+  (KV reserved up front for the whole request, DESIGN.md) gives the estimate. It is
+  min(max flow * D/(P+D), requests that fit in KV / round trip) generalised to many paths:
+  deep pipelines pay in W_p, thinly spread layers pay in KV.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from planner.graph import hands_off
+from planner.highs_model import Model
+from planner.instance import Curve, Instance, Placement
+
+MAX_PATHS = 400
+
+
+@dataclass(slots=True, frozen=True)
+class Workload:
+    prompt_tokens: float = 763.0
+    output_tokens: float = 232.0
+    kv_watermark: float = 0.9
+    reserve_tokens: float | None = None  # KV reserved per request per layer; None = prompt + output
+    prompt_counts_in_tok_s: bool = False  # True: T_i(k) caps prompt+decode tokens; False: decode only
+    compute: str = "curves"  # "curves": node time from the latency curves when profiled; "tok_s": T_i(k)
+    fixed_hop_ms: float = 0.0  # per-hop overhead not in the link latency (e.g. host copies)
+
+
+@dataclass(slots=True)
+class ServingEstimate:
+    decode_tok_s: float
+    max_flow_tok_s: float
+    requests_in_flight: float
+    mean_round_trip_ms: float
+    mean_hops: float
+    binding: str  # "compute" | "kv" | "links" | "none"
+    path_flows: list[tuple[list[str], float]] = field(default_factory=list)  # (nodes, decode tok/s)
+
+
+def interp(curve: Curve, x: float) -> float:
+    pts = sorted(curve)
+    xs = [p[0] for p in pts]
+    if x <= xs[0]:
+        return pts[0][1]
+    j = bisect.bisect_left(xs, x)
+    if j >= len(pts):
+        (x0, y0), (x1, y1) = pts[-2], pts[-1]
+        return y1 + (y1 - y0) * (x - x1) / (x1 - x0) if x1 > x0 else y1
+    (x0, y0), (x1, y1) = pts[j - 1], pts[j]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 > x0 else y1
+
+
+def _decompose(flows: dict[tuple[str, str], float], coord: str) -> list[tuple[list[str], float]]:
+    rest = {e: f for e, f in flows.items() if f > 1e-9}
+    out_edges: dict[str, list[str]] = {}
+    for a, b in rest:
+        out_edges.setdefault(a, []).append(b)
+    paths: list[tuple[list[str], float]] = []
+    while len(paths) < MAX_PATHS:
+        v, path, amount = coord, [], float("inf")
+        steps = 0
+        while True:
+            nxt = [w for w in out_edges.get(v, []) if rest.get((v, w), 0.0) > 1e-9]
+            if not nxt or steps > 10_000:
+                path = []
+                break
+            w = max(nxt, key=lambda w, v=v: rest[(v, w)])
+            amount = min(amount, rest[(v, w)])
+            steps += 1
+            if w == coord:
+                break
+            path.append(w)
+            v = w
+        if not path:
+            break
+        prev = coord
+        for node in [*path, coord]:
+            rest[(prev, node)] -= amount
+            prev = node
+        paths.append((path, amount))
+    return paths
+
+
+class ServingModel:
+    """Scores placements for one instance and workload (caches per-type curves)."""
+
+    def __init__(self, inst: Instance, workload: Workload | None = None) -> None:
+        self.inst = inst
+        self.w = workload or Workload()
+
+    # per-node timing ----------------------------------------------------------------
+
+    def decode_s(self, node: str, layers_run: int, batch: float) -> float:
+        g = self.inst.gpus[self.inst.gpu_of[node]]
+        if g.decode_ms is not None:
+            return layers_run * interp(g.decode_ms, max(1.0, batch)) / 1000.0
+        return max(1.0, batch) / g.tok_s[layers_run - 1]
+
+    def prefill_s(self, node: str, layers_run: int) -> float:
+        g = self.inst.gpus[self.inst.gpu_of[node]]
+        if g.prefill_ms is not None:
+            return layers_run * interp(g.prefill_ms, self.w.prompt_tokens) / 1000.0
+        return self.w.prompt_tokens / g.tok_s[layers_run - 1]
+
+    def link_s(self, a: str, b: str) -> float:
+        lat = self.inst.latency_ms(a, b)
+        return ((lat or 0.0) + self.w.fixed_hop_ms) / 1000.0
+
+    # paths ---------------------------------------------------------------------------
+
+    def _layers_run(self, placement: Placement, path: list[str]) -> list[int]:
+        out, done = [], 0
+        for node in path:
+            s, e = placement[node]
+            out.append(e - max(s, done))
+            done = e
+        return out
+
+    def short_paths(self, placement: Placement) -> list[list[str]]:
+        """For every node, the lowest-latency source->sink path through it (DP on the DAG)."""
+        inst, coord, L = self.inst, self.inst.coordinator, self.inst.num_layers
+        cost = {n: self.decode_s(n, e - s, 8.0) for n, (s, e) in placement.items()}
+        order = sorted(placement, key=lambda n: placement[n][1])
+        fwd: dict[str, tuple[float, str | None]] = {}
+        for n in order:
+            s, e = placement[n]
+            best: tuple[float, str | None] = (float("inf"), None)
+            if s == 0 and inst.latency_ms(coord, n) is not None:
+                best = (self.link_s(coord, n), None)
+            for m in order:
+                if placement[m][1] >= e:
+                    break
+                if m in fwd and hands_off(placement[m], placement[n], True) and inst.latency_ms(m, n) is not None:
+                    c = fwd[m][0] + cost[m] + self.link_s(m, n)
+                    if c < best[0]:
+                        best = (c, m)
+            if best[0] < float("inf"):
+                fwd[n] = best
+        bwd: dict[str, tuple[float, str | None]] = {}
+        for n in reversed(order):
+            s, e = placement[n]
+            best = (float("inf"), None)
+            if e == L and inst.latency_ms(n, coord) is not None:
+                best = (self.link_s(n, coord) + cost[n], None)
+            for m in order:
+                if m in bwd and hands_off(placement[n], placement[m], True) and inst.latency_ms(n, m) is not None:
+                    c = bwd[m][0] + cost[n] + self.link_s(n, m)
+                    if c < best[0]:
+                        best = (c, m)
+            if best[0] < float("inf"):
+                bwd[n] = best
+        paths: list[list[str]] = []
+        for n in placement:
+            if n not in fwd or n not in bwd:
+                continue
+            head: list[str] = []
+            v: str | None = fwd[n][1]
+            while v is not None:
+                head.append(v)
+                v = fwd[v][1]
+            tail: list[str] = []
+            v = bwd[n][1]
+            while v is not None:
+                tail.append(v)
+                v = bwd[v][1]
+            p = [*reversed(head), n, *tail]
+            if p not in paths:
+                paths.append(p)
+        return paths
+
+    # the estimate --------------------------------------------------------------------
+
+    def estimate(
+        self, placement: Placement, flows: dict[tuple[str, str], float], max_flow: float, *, iterations: int = 6
+    ) -> ServingEstimate:
+        inst, w, coord = self.inst, self.w, self.inst.coordinator
+        if max_flow <= 0:
+            return ServingEstimate(0.0, max_flow, 0.0, 0.0, 0.0, "none")
+        paths = [p for p, _ in _decompose(flows, coord)]
+        for p in self.short_paths(placement):
+            if p not in paths:
+                paths.append(p)
+        runs = [self._layers_run(placement, p) for p in paths]
+        tokens_per_decode = (w.prompt_tokens + w.output_tokens) / w.output_tokens
+        t_row = tokens_per_decode if w.prompt_counts_in_tok_s else 1.0
+        ctx = w.reserve_tokens if w.reserve_tokens is not None else w.prompt_tokens + w.output_tokens
+        batch = {n: 8.0 for n in placement}
+        result = ServingEstimate(0.0, max_flow, 0.0, 0.0, 0.0, "none")
+        for _ in range(iterations):
+            taus, times = [], []
+            for p, r in zip(paths, runs, strict=True):
+                hop = [self.decode_s(n, lr, batch[n]) for n, lr in zip(p, r, strict=True)]
+                lat = self.link_s(coord, p[0]) + self.link_s(p[-1], coord)
+                lat += sum(self.link_s(a, b) for a, b in zip(p, p[1:], strict=False))
+                pre = sum(self.prefill_s(n, lr) for n, lr in zip(p, r, strict=True)) + lat
+                wp = sum(hop) + lat
+                taus.append(wp + pre / w.output_tokens)
+                times.append((wp, hop))
+            m = Model(maximize=True)
+            cols = [m.add_col(0.0, cost=1.0 / tau) for tau in taus]
+            through: dict[str, list[int]] = {}
+            over: dict[tuple[str, str], list[int]] = {}
+            for j, p in enumerate(paths):
+                for n in p:
+                    through.setdefault(n, []).append(j)
+                for e in zip([coord, *p], [*p, coord], strict=True):
+                    over.setdefault(e, []).append(j)
+            rows_kind: list[str] = []
+            for n, js in through.items():
+                s, e = placement[n]
+                g = inst.gpus[inst.gpu_of[n]]
+                if w.compute == "curves" and g.decode_ms is not None and g.prefill_ms is not None:
+                    # busy seconds per decode token: prefill share + this token's share of a batch step
+                    vals = []
+                    for j in js:
+                        lr = runs[j][paths[j].index(n)]
+                        per_tok = self.prefill_s(n, lr) / w.output_tokens + self.decode_s(n, lr, batch[n]) / batch[n]
+                        vals.append(per_tok / taus[j])
+                    m.add_row([cols[j] for j in js], vals, hi=1.0)
+                    rows_kind.append("compute")
+                m.add_row([cols[j] for j in js], [t_row / taus[j] for j in js], hi=inst.node_tok_s(n, e - s))
+                rows_kind.append("compute")
+                kv = inst.gpus[inst.gpu_of[n]].kv_entries[e - s - 1] * w.kv_watermark
+                vals = [ctx * runs[j][paths[j].index(n)] for j in js]
+                m.add_row([cols[j] for j in js], vals, hi=kv)
+                rows_kind.append("kv")
+            for (a, b), js in over.items():
+                capl = inst.cap.token_link_tok_s(a, b) if coord in (a, b) else inst.cap.activation_link_tok_s(a, b)
+                if capl is None:
+                    capl = 0.0
+                m.add_row([cols[j] for j in js], [tokens_per_decode / taus[j]] * len(js), hi=capl)
+                rows_kind.append("links")
+            sol = m.solve(time_limit_s=10.0)
+            if not sol.x:
+                return result
+            n_p = sol.x
+            binding = _binding(m, n_p, rows_kind)
+            # Offline serving fills KV up to the watermark (the router admits while it fits), so
+            # the batches nodes see come from the KV-full population, not the LP's minimum.
+            fill = float("inf")
+            for (idx, val, _, hi), kind in zip(m.rows, rows_kind, strict=True):
+                if kind == "kv":
+                    used = sum(v * n_p[i] for i, v in zip(idx, val, strict=True))
+                    if used > 1e-9:
+                        fill = min(fill, hi / used)
+            fill = 1.0 if fill == float("inf") else max(1.0, fill)
+            new_batch = {n: 1.0 for n in placement}
+            for j, p in enumerate(paths):
+                wp, hop = times[j]
+                for n, h in zip(p, hop, strict=True):
+                    new_batch[n] += fill * n_p[j] * h / max(wp, 1e-9)
+            for n in placement:
+                g = inst.gpus[inst.gpu_of[n]]
+                if g.decode_max_batch:
+                    s, e = placement[n]
+                    new_batch[n] = min(new_batch[n], float(g.decode_max_batch[e - s - 1]))
+            batch = {n: max(1.0, 0.5 * batch[n] + 0.5 * new_batch[n]) for n in placement}
+            total_n = sum(n_p)
+            y = [n_p[j] / taus[j] for j in range(len(paths))]
+            ysum = sum(y)
+            result = ServingEstimate(
+                decode_tok_s=ysum,
+                max_flow_tok_s=max_flow,
+                requests_in_flight=total_n,
+                mean_round_trip_ms=1000 * sum(times[j][0] * y[j] for j in range(len(y))) / ysum if ysum else 0.0,
+                mean_hops=sum(len(paths[j]) * y[j] for j in range(len(y))) / ysum if ysum else 0.0,
+                binding=binding,
+                path_flows=[(paths[j], y[j]) for j in range(len(y)) if y[j] > 1e-9],
+            )
+        return result
+
+
+def _binding(m: Model, x: list[float], kinds: list[str]) -> str:
+    tight: dict[str, int] = {}
+    for (idx, val, _, hi), kind in zip(m.rows, kinds, strict=True):
+        act = sum(v * x[i] for i, v in zip(idx, val, strict=True))
+        if hi > 0 and act >= hi * (1 - 1e-6):
+            tight[kind] = tight.get(kind, 0) + 1
+    return max(tight, key=lambda k: tight[k]) if tight else "none"
