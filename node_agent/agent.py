@@ -101,7 +101,8 @@ class NodeAgent:
         self.data = self.ctx.socket(zmq.PULL)
         for sock in (self.control, self.data):
             configure(sock)
-            sock.setsockopt(zmq.MAXMSGSIZE, config.max_frame_bytes + 4096)
+            # hard memory guard; frames between the limit and this are rejected by decode (logged)
+            sock.setsockopt(zmq.MAXMSGSIZE, 2 * config.max_frame_bytes + 65536)
         self.control.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.control.bind(config.control_bind)
         self.data.bind(config.data_bind)

@@ -1,0 +1,87 @@
+"""Random tiny Llamas: stage splits and partial layer sub-ranges reproduce ``transformers`` logits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from node_agent.engine import StageEngine
+from node_agent.pipeline import LocalPipeline
+from node_agent.sampling import SamplingParams
+from node_agent.scheduler import SchedulerConfig
+
+ATOL = 2e-3  # float32, logits of magnitude ~10: summation order differs from transformers
+SPLITS = [[(0, 4)], [(0, 1), (1, 3), (3, 4)], [(0, 2), (2, 4)]]
+CHUNKED = SchedulerConfig(max_batch_size=4, token_budget=9, chunk_size=5)
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (1, 7, 13, 22)]
+
+
+@pytest.mark.parametrize("split", SPLITS, ids=["1-stage", "3-stages", "2-stages"])
+def test_split_pipeline_logits_match_transformers(tiny_llama: tuple[Path, Any], split: list[tuple[int, int]]) -> None:
+    model_dir, hf = tiny_llama
+    pipe = LocalPipeline([StageEngine(model_dir, a, b, scheduler=CHUNKED, kv_capacity_tokens=256) for a, b in split])
+    prompts = _prompts(hf.config.vocab_size)
+    for i, prompt in enumerate(prompts):
+        pipe.add_request(str(i), prompt, SamplingParams(max_tokens=6, return_logits=True))
+    outs: dict[str, list[Any]] = {str(i): [] for i in range(len(prompts))}
+    while pipe.has_unfinished:
+        for out in pipe.step():
+            outs[out.request_id].append(out)
+    for i, prompt in enumerate(prompts):
+        generated = [o.token for o in outs[str(i)]]
+        assert len(generated) == 6
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt + generated])).logits[0]
+        ours = torch.stack([o.logits for o in outs[str(i)]])
+        torch.testing.assert_close(ours, ref[len(prompt) - 1: len(prompt) + 5], atol=ATOL, rtol=1e-3)
+        assert generated == ref[len(prompt) - 1: len(prompt) + 5].argmax(-1).tolist()
+
+
+def _hf_hidden(hf: Any, ids: list[int]) -> tuple[torch.Tensor, ...]:
+    with torch.no_grad():
+        out = hf(torch.tensor([ids]), output_hidden_states=True)
+    return tuple(h[0] for h in out.hidden_states) + (out.logits[0],)
+
+
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_partial_sub_ranges_inside_a_stage(tiny_llama: tuple[Path, Any], chunk: int | None) -> None:
+    """One stage [0, 4) serves requests running [1, 3), [0, 2), [2, 4) and [0, 4) in the same steps."""
+    model_dir, hf = tiny_llama
+    sched = SchedulerConfig(max_batch_size=4, token_budget=64, chunk_size=chunk)
+    engine = StageEngine(model_dir, 0, 4, scheduler=sched, kv_capacity_tokens=512)
+    ids = _prompts(hf.config.vocab_size)[3]
+    hidden = _hf_hidden(hf, ids)  # hidden[l] = input of layer l; hidden[4] is normed; hidden[5] = logits
+    sampling = SamplingParams(max_tokens=1, return_logits=True)
+    engine.add_request("mid", sampling, prompt_len=len(ids), layer_range=(1, 3))
+    engine.add_request("head", sampling, prompt_token_ids=ids, layer_range=(0, 2))
+    engine.add_request("tail", sampling, prompt_len=len(ids), layer_range=(2, 4))
+    engine.add_request("full", sampling, prompt_token_ids=ids)
+    engine.push_hidden("mid", hidden[1])
+    engine.push_hidden("tail", hidden[2])
+    got: dict[str, list[Any]] = {}
+    while engine.has_unfinished:
+        for out in engine.step().outputs:
+            got.setdefault(out.request_id, []).append(out)
+            if out.request_id in ("mid", "head") and sum(o.num_tokens for o in got[out.request_id]) == len(ids):
+                engine.cancel(out.request_id)  # a non-last range ends when its prompt is through
+    torch.testing.assert_close(torch.cat([o.hidden for o in got["mid"]]), hidden[3], atol=ATOL, rtol=1e-3)
+    torch.testing.assert_close(torch.cat([o.hidden for o in got["head"]]), hidden[2], atol=ATOL, rtol=1e-3)
+    for name in ("tail", "full"):
+        assert got[name][-1].token is not None
+        torch.testing.assert_close(got[name][-1].logits, hidden[5][-1], atol=ATOL, rtol=1e-3)
+
+
+def test_stage_loads_only_its_layers(tiny_llama: tuple[Path, Any]) -> None:
+    model_dir, _ = tiny_llama
+    middle = StageEngine(model_dir, 1, 3)
+    assert sorted(middle.model.layers) == [1, 2]
+    assert middle.model.embed_tokens is None and middle.model.lm_head is None
+    last = StageEngine(model_dir, 3, 4)
+    assert last.model.lm_head is not None and last.model.embed_tokens is None
