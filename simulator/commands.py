@@ -1,0 +1,94 @@
+"""``helix simulate CLUSTER PLAN``: run the simulator and print (or ``--json``) its numbers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+from helix.errors import ConfigError
+from simulator.routing import ROUTERS
+
+
+def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("cluster", help="cluster YAML")
+    p.add_argument("plan", help="plan file (JSON or YAML); flows are computed when it has none")
+    p.add_argument("--mode", choices=("offline", "online"), default="offline",
+                   help="offline: keep the cluster saturated; online: requests arrive at a rate")
+    p.add_argument("--router", choices=ROUTERS, default="iwrr")
+    p.add_argument("--trace", help="replay a trace (CSV or JSONL: arrival_s, prompt_tokens, output_tokens); implies online")
+    rate = p.add_mutually_exclusive_group()
+    rate.add_argument("--rate", type=float, help="online: requests per second")
+    rate.add_argument("--load", type=float, help="online: fraction of the plan's max flow (default 0.75)")
+    p.add_argument("--cv", type=float, default=1.0, help="online arrivals: 1 = Poisson, > 1 = bursty Gamma")
+    p.add_argument("--lengths", default="azure-conv", help="azure-conv | fixed:P,O | uniform:P0-P1,O0-O1")
+    p.add_argument("--duration", type=float, default=600.0, help="measured simulated seconds (after warm-up)")
+    p.add_argument("--warmup", type=float, default=60.0, help="simulated seconds before measuring")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--watermark", type=float, default=0.85, help="KV high watermark for masking")
+    p.add_argument("--max-inflight", type=int, help="offline baselines: requests kept in flight (default: KV bound)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from helix.plan import check_plan, load_plan
+    from helix.profile import load_profiles_for
+    from helix.spec import load_cluster
+    from simulator.engine import SimConfig, simulate
+    from simulator.workload import load_trace
+
+    if args.duration <= 0 or args.warmup < 0:
+        raise ConfigError("--duration must be positive and --warmup not negative", field="--duration")
+    cluster = load_cluster(args.cluster)
+    profiles = load_profiles_for(cluster)
+    plan = load_plan(args.plan)
+    model = profiles.models[cluster.model]
+    check_plan(plan, num_layers=model.num_layers, node_ids=cluster.node_ids, coordinator=cluster.coordinator.id,
+               source=args.plan)
+    trace = load_trace(args.trace) if args.trace else None
+    mode = "online" if trace is not None else args.mode
+    cfg = SimConfig(mode=mode, router=args.router, duration_s=args.duration, warmup_s=args.warmup, seed=args.seed,
+                    lengths=args.lengths, rate_per_s=args.rate, load=args.load, cv=args.cv, trace=trace,
+                    watermark=args.watermark, max_inflight=args.max_inflight)
+    total = args.warmup + args.duration
+    if args.json:
+        result = simulate(cluster, profiles, plan, cfg)
+        print(json.dumps(_clean(result.to_json()), indent=2))
+        return 0
+    console = Console()
+    with Progress(TextColumn("[bold]simulating[/]"), BarColumn(), TextColumn("{task.completed:.0f}/{task.total:.0f} sim-s"),
+                  TimeElapsedColumn(), console=console, transient=True) as bar:
+        task = bar.add_task("sim", total=total)
+        result = simulate(cluster, profiles, plan, cfg, progress=lambda t: bar.update(task, completed=min(t, total)))
+    t = Table(title=f"{cluster.name}: {plan.method} placement, {args.router} routing, {mode}")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    t.add_row("decode throughput (tok/s)", f"{result.decode_tok_s:.1f}")
+    t.add_row("prompt throughput (tok/s)", f"{result.prompt_tok_s:.1f}")
+    for name, d in (("prompt latency (s)", result.prompt_latency_s), ("decode latency (s/token)", result.decode_latency_s)):
+        t.add_row(name, "  ".join(f"{k} {v:.3f}" for k, v in d.items()))
+    t.add_row("requests finished / admitted", f"{result.finished_requests} / {result.admitted_requests}")
+    t.add_row("preemptions (KV full)", str(result.preemptions))
+    console.print(t)
+    nt = Table(title="per node")
+    for col in ("node", "layers", "utilization", "KV peak (true)", "KV peak (router estimate)"):
+        nt.add_column(col, justify="left" if col == "node" else "right")
+    for node, (s, e) in sorted(plan.placement.items(), key=lambda x: (x[1][0], x[0])):
+        nt.add_row(node, f"[{s},{e})", f"{result.node_utilization[node]:.0%}", f"{result.kv_peak_fraction[node]:.0%}",
+                   f"{result.kv_estimate_peak_fraction.get(node, 0.0):.0%}")
+    console.print(nt)
+    return 0
+
+
+def _clean(x: object) -> object:
+    if isinstance(x, float):
+        return None if math.isnan(x) else x
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_clean(v) for v in x]
+    return x

@@ -1,0 +1,562 @@
+"""The discrete-event engine: nodes, links and the coordinator of one planned cluster.
+
+Model (documented with its calibration in ``docs/simulator.md``):
+
+* **Coordinator.** Admits requests through a router from :mod:`simulator.routing` (the real
+  :class:`router.policy.Router` for ``iwrr``), sends every iteration's input to the first
+  stage and receives the sampled token from the last; after each token it applies the stop
+  condition (the request's output length) and sends the next decode step down the *same*
+  pipeline. Offline mode keeps the cluster saturated like the paper's feeder: it starts with
+  ``offline_initial`` requests and, whenever a prompt or a request finishes, admits one more
+  while the router's KV bottleneck (fullest layer) is at most ``feed_hwm``; baselines, which
+  cannot refuse a request, keep a fixed number in flight (``max_inflight``).
+* **Nodes.** Iteration-level batching (Orca): when idle, a node takes queued requests FIFO —
+  prefills up to ``prompt_max_tokens`` tokens, decodes up to ``decode_max_tokens`` requests —
+  and runs one iteration of ``sum over its layers of prefill_ms(prefill tokens on that layer)
+  + decode_ms(decode requests on that layer)`` from its profile's per-layer curves (requests
+  that entered mid-range run only their layers). True KV use (entries = tokens x layers) is
+  enforced against the node's capacity: a request that would not fit waits, and if nothing
+  fits the latest-admitted waiting request is preempted (its KV freed everywhere, re-admitted
+  later with its generated tokens re-prefilled), so KV never exceeds capacity.
+* **Links.** Each directed link is a FIFO server: a message of ``tokens x bytes per token``
+  occupies it for ``bytes / bandwidth`` after the previous one, then arrives ``latency_ms``
+  later. Activations between nodes, token ids to and from the coordinator.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from helix.errors import ConfigError, NoRouteError
+from helix.plan import Plan
+from helix.profile import ProfileSet
+from helix.spec import ClusterSpec
+from helix.units import gbps_to_bytes_per_s
+from router.policy import Router, RouteRequest
+from simulator.routing import make_router
+from simulator.workload import LengthSampler, RequestSpec, arrival_times
+
+_NODE_DONE, _ARRIVE, _COORD, _NEW, _REPORT = 0, 1, 2, 3, 4
+
+
+@dataclass(slots=True)
+class SimConfig:
+    mode: str = "offline"  # offline | online
+    router: str = "iwrr"
+    duration_s: float = 600.0
+    warmup_s: float = 60.0
+    seed: int = 0
+    lengths: str = "azure-conv"
+    rate_per_s: float | None = None  # online: requests/s
+    load: float | None = None  # online: fraction of the plan's max flow (tokens/s)
+    cv: float = 1.0  # online arrivals: 1 Poisson, > 1 bursty Gamma
+    trace: list[RequestSpec] | None = None
+    watermark: float = 0.85
+    expected_output_tokens: float = 232.0
+    feed_hwm: float = 0.8
+    offline_initial: int = 20
+    max_inflight: int | None = None  # baselines offline; None: the KV-bound estimate
+    num_requests: int | None = None  # stop issuing after this many and drain (tests)
+    kv_report_interval_s: float = 1.0
+    iteration_overhead_ms: float = 0.0
+    bucket_s: float = 10.0
+
+
+class _Req:
+    __slots__ = ("id", "prompt", "output", "generated", "ctx", "stages", "stage", "prefill", "arrival",
+                 "first_token", "last_token", "kv", "seq", "t_enq")
+
+    def __init__(self, rid: int, prompt: int, output: int, arrival: float) -> None:
+        self.id = rid
+        self.prompt = prompt
+        self.output = output
+        self.generated = 0
+        self.ctx = prompt  # tokens to prefill (prompt + generated after a preemption)
+        self.stages: tuple = ()
+        self.stage = 0
+        self.prefill = True
+        self.arrival = arrival
+        self.first_token: float | None = None
+        self.last_token = 0.0
+        self.kv: dict[str, float] = {}
+        self.seq = 0
+        self.t_enq = 0.0
+
+
+class _Node:
+    __slots__ = ("id", "start", "end", "k", "cap", "pf", "dc", "pmax", "dmax", "queue", "busy", "kv_used",
+                 "kv_peak", "busy_s", "batch", "iters", "t_start")
+
+    def __init__(self, nid: str, start: int, end: int, cap: float, pf: list[float], dc: list[float],
+                 pmax: int, dmax: int) -> None:
+        self.id, self.start, self.end, self.k = nid, start, end, end - start
+        self.cap, self.pf, self.dc, self.pmax, self.dmax = cap, pf, dc, pmax, dmax
+        self.queue: list[_Req] = []
+        self.busy = False
+        self.kv_used = 0.0
+        self.kv_peak = 0.0
+        self.busy_s = 0.0
+        self.batch: list[_Req] = []
+        self.iters = 0
+        self.t_start = 0.0
+
+
+def _table(curve: list[tuple[float, float]], n: int) -> list[float]:
+    """ms for x = 0..n-1 from a curve (linear interpolation, linear extrapolation past the end)."""
+    pts = sorted(curve)
+    xs = np.array([p[0] for p in pts], dtype=float)
+    ys = np.array([p[1] for p in pts], dtype=float)
+    grid = np.arange(n, dtype=float)
+    out = np.interp(grid, xs, ys)
+    if xs[0] > 0:  # below the first point: proportional to x
+        low = grid < xs[0]
+        out[low] = ys[0] * grid[low] / xs[0]
+    if len(xs) >= 2 and xs[-1] < n - 1:
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        high = grid > xs[-1]
+        out[high] = ys[-1] + slope * (grid[high] - xs[-1])
+    out[0] = 0.0
+    return out.tolist()
+
+
+@dataclass(slots=True)
+class SimResult:
+    config: SimConfig
+    sim_end_s: float
+    decode_tok_s: float
+    prompt_tok_s: float
+    prompt_latency_s: dict[str, float]
+    decode_latency_s: dict[str, float]
+    finished_requests: int
+    admitted_requests: int
+    preemptions: int
+    max_inflight: int
+    node_utilization: dict[str, float]
+    kv_peak_fraction: dict[str, float]
+    kv_estimate_peak_fraction: dict[str, float]
+    throughput_over_time: list[tuple[float, float]]
+    events: int
+    extra: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {
+            "router": self.config.router,
+            "mode": self.config.mode,
+            "duration_s": self.config.duration_s,
+            "warmup_s": self.config.warmup_s,
+            "seed": self.config.seed,
+            "decode_tok_s": self.decode_tok_s,
+            "prompt_tok_s": self.prompt_tok_s,
+            "prompt_latency_s": self.prompt_latency_s,
+            "decode_latency_s": self.decode_latency_s,
+            "finished_requests": self.finished_requests,
+            "admitted_requests": self.admitted_requests,
+            "preemptions": self.preemptions,
+            "max_inflight": self.max_inflight,
+            "node_utilization": self.node_utilization,
+            "kv_peak_fraction": self.kv_peak_fraction,
+            "kv_estimate_peak_fraction": self.kv_estimate_peak_fraction,
+            "throughput_over_time": self.throughput_over_time,
+            "events": self.events,
+        }
+
+
+def _percentiles(xs: list[float]) -> dict[str, float]:
+    if not xs:
+        return {"mean": math.nan, "p50": math.nan, "p90": math.nan, "p99": math.nan}
+    a = np.asarray(xs)
+    p50, p90, p99 = np.percentile(a, [50, 90, 99]).tolist()
+    return {"mean": float(a.mean()), "p50": p50, "p90": p90, "p99": p99}
+
+
+class Simulation:
+    """One run: build from a plan, then :meth:`run`. Deterministic for ``config.seed``."""
+
+    def __init__(self, cluster: ClusterSpec, profiles: ProfileSet, plan: Plan, config: SimConfig) -> None:
+        if config.mode not in ("offline", "online"):
+            raise ConfigError(f"unknown mode {config.mode!r} (offline or online)", field="--mode")
+        self.cfg = config
+        model = profiles.models[cluster.model]
+        self.num_layers = model.num_layers
+        self.act_bytes = model.activation_bytes_per_token
+        self.tok_bytes = model.token_bytes
+        self.coord = cluster.coordinator.id
+        base = Router.from_plan(
+            plan, cluster, profiles, watermark=config.watermark, expected_output_tokens=config.expected_output_tokens
+        )
+        self.placement = dict(plan.placement)
+        self.nodes: dict[str, _Node] = {}
+        tables: dict[tuple[str, int], tuple[list[float], list[float]]] = {}
+        for nid, (s, e) in plan.placement.items():
+            gpu = cluster.node(nid).gpu
+            tp = profiles.throughput(gpu, cluster.model)
+            if tp.prefill_ms_per_layer is None or tp.decode_ms_per_layer is None:
+                raise ConfigError(f"GPU {gpu!r} has no prefill/decode latency curves to simulate", field=f"gpus.{gpu}")
+            k = e - s
+            pmax = tp.prompt_max_tokens_by_layers[k - 1] if tp.prompt_max_tokens_by_layers else 4096
+            dmax = tp.decode_max_tokens_by_layers[k - 1] if tp.decode_max_tokens_by_layers else 256
+            if gpu not in {g for g, _ in tables}:
+                tables[(gpu, 0)] = (_table(tp.prefill_ms_per_layer, max(pmax, 2048) * 2 + 1),
+                                    _table(tp.decode_ms_per_layer, dmax * 2 + 1))
+            pf, dc = tables[(gpu, 0)]
+            cap = base.kv.nodes[nid].capacity if nid in base.kv.nodes else math.inf
+            self.nodes[nid] = _Node(nid, s, e, cap, pf, dc, pmax, dmax)
+        initial = {n.id: n.k * n.dc[1] / 1000.0 for n in self.nodes.values()}
+        self.router, self.swarm = make_router(
+            config.router, base, seed=config.seed, queue_len=lambda n: len(self.nodes[n].queue) + len(self.nodes[n].batch),
+            swarm_initial_s=initial,
+        )
+        self.links: dict[tuple[str, str], list[float]] = {
+            key: [0.0, gbps_to_bytes_per_s(link.bandwidth_gbps), link.latency_ms / 1000.0]
+            for key, link in cluster.resolved_links().items()
+        }
+        self.lengths = LengthSampler(config.lengths, seed=config.seed)
+        self.mean_tokens = config.expected_output_tokens + 763.0
+        self.max_flow = plan.max_flow_tok_s or 1.0
+        # state
+        self.heap: list[tuple] = []
+        self.seq = 0
+        self.now = 0.0
+        self.waiting: deque[_Req] = deque()
+        self.inflight = 0
+        self.next_id = 0
+        self.issued = 0
+        self.admit_seq = 0
+        # metrics
+        t0, t1 = config.warmup_s, config.warmup_s + config.duration_s
+        self.window = (t0, t1)
+        self.decode_tokens = 0
+        self.prompt_tokens = 0
+        self.prompt_lat: list[float] = []
+        self.decode_lat: list[float] = []
+        self.finished = 0
+        self.preemptions = 0
+        self.buckets = [0] * (int(math.ceil(t1 / config.bucket_s)) + 2)
+        self.cap_inflight = self._default_max_inflight() if config.max_inflight is None else config.max_inflight
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _default_max_inflight(self) -> int:
+        """Requests the fullest layer's KV holds at ``feed_hwm`` with the expected length."""
+        per_layer = [0.0] * self.num_layers
+        for n in self.nodes.values():
+            for layer in range(n.start, n.end):
+                per_layer[layer] += n.cap / n.k
+        return max(1, int(self.cfg.feed_hwm * min(per_layer) / self.mean_tokens))
+
+    def _push(self, t: float, kind: int, a: object, b: object = None) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, kind, a, b))
+
+    def _send(self, src: str, dst: str, nbytes: float, payload: list[_Req]) -> None:
+        link = self.links.get((src, dst))
+        if link is None:
+            raise ConfigError(f"no link {src} -> {dst} for a planned hop")
+        start = self.now if self.now > link[0] else link[0]
+        link[0] = start + nbytes / link[1]
+        kind = _COORD if dst == self.coord else _ARRIVE
+        self._push(link[0] + link[2], kind, dst, payload)
+
+    def _new_request(self, spec: RequestSpec | None = None) -> _Req:
+        if spec is None:
+            p, o = self.lengths.sample()
+            spec = RequestSpec(self.now, p, o)
+        r = _Req(self.next_id, spec.prompt_tokens, spec.output_tokens, spec.arrival_s)
+        self.next_id += 1
+        self.issued += 1
+        return r
+
+    # -- admission ----------------------------------------------------------------------------
+
+    def _offline_backlog(self) -> None:
+        if not self.waiting and (self.cfg.num_requests is None or self.issued < self.cfg.num_requests):
+            self.waiting.append(self._new_request())
+
+    def _admit(self, budget: int | None = None) -> None:
+        cfg = self.cfg
+        router = self.router
+        iwrr = cfg.router == "iwrr"
+        offline = cfg.mode == "offline"
+        groups: dict[str, list[_Req]] = {}
+        while True:
+            if offline:
+                self._offline_backlog()
+            if not self.waiting or budget == 0:
+                break
+            if offline and not iwrr and self.inflight >= self.cap_inflight:
+                break
+            if offline and iwrr and router.kv.bottleneck_usage(self.placement, self.num_layers) > cfg.feed_hwm:
+                break
+            r = self.waiting[0]
+            try:
+                pipeline = router.route(RouteRequest(r.id, r.ctx))
+            except NoRouteError:
+                break
+            self.waiting.popleft()
+            r.stages = pipeline.stages
+            r.stage = 0
+            r.prefill = True
+            self.admit_seq += 1
+            r.seq = self.admit_seq
+            self.inflight += 1
+            groups.setdefault(r.stages[0].node, []).append(r)
+            if budget is not None:
+                budget -= 1
+        for node, reqs in groups.items():
+            self._send(self.coord, node, sum(r.ctx for r in reqs) * self.tok_bytes, reqs)
+
+    # -- nodes --------------------------------------------------------------------------------
+
+    def _try_start(self, n: _Node) -> None:
+        while n.queue and not n.busy:
+            batch: list[_Req] = []
+            rest: list[_Req] = []
+            used, cap = n.kv_used, n.cap
+            ptoks = dcount = 0
+            by_start: dict[int, list[int]] = {}
+            for r in n.queue:
+                ls = r.stages[r.stage].layer_start
+                layers = n.end - ls
+                if r.prefill:
+                    if ptoks and ptoks + r.ctx > n.pmax:
+                        rest.append(r)
+                        continue
+                    need = r.ctx * layers
+                else:
+                    if dcount >= n.dmax:
+                        rest.append(r)
+                        continue
+                    need = layers
+                if used + need > cap:
+                    rest.append(r)
+                    continue
+                used += need
+                r.kv[n.id] = r.kv.get(n.id, 0.0) + need
+                acc = by_start.get(ls)
+                if acc is None:
+                    acc = by_start[ls] = [0, 0]
+                if r.prefill:
+                    ptoks += r.ctx
+                    acc[0] += r.ctx
+                else:
+                    dcount += 1
+                    acc[1] += 1
+                batch.append(r)
+            if not batch:
+                self._preempt(n)
+                continue
+            n.queue = rest
+            n.kv_used = used
+            if used > n.kv_peak:
+                n.kv_peak = used
+            pf, dc = n.pf, n.dc
+            if len(by_start) == 1:
+                ms = n.k * 0 + (n.end - next(iter(by_start))) * (pf[min(ptoks, len(pf) - 1)] + dc[min(dcount, len(dc) - 1)])
+            else:
+                ms = 0.0
+                p_cum = d_cum = 0
+                starts = sorted(by_start)
+                for i, s in enumerate(starts):
+                    p_cum += by_start[s][0]
+                    d_cum += by_start[s][1]
+                    seg = (starts[i + 1] if i + 1 < len(starts) else n.end) - s
+                    ms += seg * (pf[min(p_cum, len(pf) - 1)] + dc[min(d_cum, len(dc) - 1)])
+            dur = (ms + self.cfg.iteration_overhead_ms) / 1000.0
+            n.busy = True
+            n.batch = batch
+            n.t_start = self.now
+            n.iters += 1
+            if self.now >= self.window[0]:
+                n.busy_s += min(dur, max(0.0, self.window[1] - self.now))
+            self._push(self.now + dur, _NODE_DONE, n)
+
+    def _preempt(self, n: _Node) -> None:
+        """Nothing on ``n`` fits its KV: free the latest-admitted waiting request everywhere."""
+        victim = max(n.queue, key=lambda r: r.seq)
+        n.queue.remove(victim)
+        self._free_kv(victim)
+        self.router.finish(victim.id)
+        self.inflight -= 1
+        self.preemptions += 1
+        victim.ctx = victim.prompt + victim.generated
+        victim.prefill = True
+        self.waiting.appendleft(victim)
+        self._push(self.now, _NEW, None)  # retry admission once this event is done
+
+    def _free_kv(self, r: _Req) -> None:
+        for nid, e in r.kv.items():
+            node = self.nodes[nid]
+            node.kv_used -= e
+            if node.kv_used < 1e-6:
+                node.kv_used = 0.0
+            if node.queue and not node.busy:
+                self._push(self.now, _ARRIVE, nid, [])
+        r.kv = {}
+
+    def _node_done(self, n: _Node) -> None:
+        n.busy = False
+        batch, n.batch = n.batch, []
+        groups: dict[str, list[_Req]] = {}
+        swarm = self.swarm
+        for r in batch:
+            if swarm is not None:
+                swarm.observe(n.id, self.now - r.t_enq)
+            r.stage += 1
+            dst = self.coord if r.stage == len(r.stages) else r.stages[r.stage].node
+            g = groups.get(dst)
+            if g is None:
+                groups[dst] = [r]
+            else:
+                g.append(r)
+        for dst, reqs in groups.items():
+            if dst == self.coord:
+                nbytes = len(reqs) * self.tok_bytes
+            else:
+                nbytes = sum(r.ctx if r.prefill else 1 for r in reqs) * self.act_bytes
+            self._send(n.id, dst, nbytes, reqs)
+        self._try_start(n)
+
+    # -- coordinator --------------------------------------------------------------------------
+
+    def _coord(self, reqs: list[_Req]) -> None:
+        now = self.now
+        t0, t1 = self.window
+        in_window = t0 <= now < t1
+        groups: dict[str, list[_Req]] = {}
+        triggers = 0
+        for r in reqs:
+            r.generated += 1
+            if r.prefill:
+                r.prefill = False
+                if r.first_token is None:
+                    r.first_token = now
+                    if in_window:
+                        self.prompt_tokens += r.prompt
+                        self.prompt_lat.append(now - r.arrival)
+                    triggers += 1
+            else:
+                if in_window:
+                    self.decode_tokens += 1
+                    self.decode_lat.append(now - r.last_token)
+                b = int(now / self.cfg.bucket_s)
+                if b < len(self.buckets):
+                    self.buckets[b] += 1
+            r.last_token = now
+            if r.generated >= r.output:
+                self._free_kv(r)
+                self.router.finish(r.id)
+                self.inflight -= 1
+                self.finished += 1
+                triggers += 1
+                continue
+            r.stage = 0
+            dst = r.stages[0].node
+            g = groups.get(dst)
+            if g is None:
+                groups[dst] = [r]
+            else:
+                g.append(r)
+        for dst, g in groups.items():
+            self._send(self.coord, dst, len(g) * self.tok_bytes, g)
+        if triggers:
+            self._admit(budget=triggers if self.cfg.mode == "offline" and self.cfg.router == "iwrr" else None)
+
+    # -- run ----------------------------------------------------------------------------------
+
+    def run(self, progress: Callable[[float], None] | None = None) -> SimResult:
+        cfg = self.cfg
+        end = self.window[1]
+        if cfg.mode == "online":
+            if cfg.trace is not None:
+                specs = cfg.trace
+            else:
+                rate = cfg.rate_per_s
+                if rate is None:
+                    load = 0.75 if cfg.load is None else cfg.load
+                    rate = load * self.max_flow / self.mean_tokens
+                times = arrival_times(rate, end, cv=cfg.cv, seed=cfg.seed)
+                specs = []
+                for t in times:
+                    p, o = self.lengths.sample()
+                    specs.append(RequestSpec(t, p, o))
+            if cfg.num_requests is not None:
+                specs = specs[: cfg.num_requests]
+            for spec in specs:
+                self._push(spec.arrival_s, _NEW, spec)
+        else:
+            self._admit(budget=cfg.offline_initial if cfg.router == "iwrr" else None)
+        if cfg.kv_report_interval_s > 0:
+            self._push(cfg.kv_report_interval_s, _REPORT, None)
+        heap = self.heap
+        pop = heapq.heappop
+        nodes = self.nodes
+        events = 0
+        drain = cfg.num_requests is not None
+        next_tick = 1.0
+        while heap:
+            t, _, kind, a, b = pop(heap)
+            if t > end and not drain:
+                break
+            self.now = t
+            events += 1
+            if kind == _COORD:
+                self._coord(b)
+            elif kind == _ARRIVE:
+                n = nodes[a]
+                for r in b:
+                    r.t_enq = t
+                n.queue.extend(b)
+                if not n.busy:
+                    self._try_start(n)
+            elif kind == _NODE_DONE:
+                self._node_done(a)
+            elif kind == _NEW:
+                if a is not None:
+                    self.waiting.append(self._new_request(a))
+                self._admit()
+            else:  # _REPORT
+                for n in nodes.values():
+                    self.router.report_kv(n.id, used=n.kv_used)
+                if heap and (drain or t < end):
+                    self._push(t + cfg.kv_report_interval_s, _REPORT, None)
+            if progress is not None and t >= next_tick:
+                progress(t)
+                next_tick = t + 1.0
+            if drain and self.finished >= (cfg.num_requests or 0) and not self.waiting:
+                break
+        return self._result(events)
+
+    def _result(self, events: int) -> SimResult:
+        cfg = self.cfg
+        t0, t1 = self.window
+        span = max(1e-9, min(t1, self.now) - t0) if cfg.num_requests is None else max(1e-9, self.now - t0)
+        kv_est = self.router.kv.peak_estimate
+        return SimResult(
+            config=cfg,
+            sim_end_s=self.now,
+            decode_tok_s=self.decode_tokens / span,
+            prompt_tok_s=self.prompt_tokens / span,
+            prompt_latency_s=_percentiles(self.prompt_lat),
+            decode_latency_s=_percentiles(self.decode_lat),
+            finished_requests=self.finished,
+            admitted_requests=self.admit_seq,
+            preemptions=self.preemptions,
+            max_inflight=self.cap_inflight,
+            node_utilization={n.id: n.busy_s / span for n in self.nodes.values()},
+            kv_peak_fraction={n.id: n.kv_peak / n.cap for n in self.nodes.values()},
+            kv_estimate_peak_fraction={n: kv_est[n] / self.nodes[n].cap for n in self.nodes if n in kv_est},
+            throughput_over_time=[((i + 1) * cfg.bucket_s, c / cfg.bucket_s) for i, c in enumerate(self.buckets)
+                                  if (i + 1) * cfg.bucket_s <= min(t1, self.now) + 1e-9],
+            events=events,
+        )
+
+
+def simulate(cluster: ClusterSpec, profiles: ProfileSet, plan: Plan, config: SimConfig,
+             progress: Callable[[float], None] | None = None) -> SimResult:
+    return Simulation(cluster, profiles, plan, config).run(progress)
