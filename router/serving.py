@@ -1,0 +1,111 @@
+"""Assemble a running coordinator: plan + cluster + model dir -> Coordinator + FastAPI app + uvicorn.
+
+:func:`build_coordinator` wires the pure router (:class:`router.policy.Router`), the tokenizer
+and the metrics; :func:`create_server_app` adds the lifespan that connects to the agents
+(:class:`router.agents_io.AgentsIO`) and starts the KV-report watcher; :func:`make_server`
+returns a uvicorn server bound to loopback unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import FastAPI
+
+from helix.errors import ConfigError
+from helix.plan import Plan
+from helix.profile import ProfileSet
+from helix.spec import ClusterSpec
+from router.agents_io import AgentsIO
+from router.app import create_app
+from router.coordinator import Coordinator
+from router.policy import Router, plan_flows
+from router.tokenizer import ChatTokenizer, ensure_tokenizer_dir
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOKENS_CAP = 2048
+DEFAULT_CONTEXT_TOKENS = 2048
+
+
+@dataclass(slots=True)
+class ServeOptions:
+    """Knobs of ``helix serve`` (and of the demo)."""
+
+    model_dir: str | None = None
+    max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP
+    max_context_tokens: int | None = None  # default: the model's max_position_embeddings
+    queue_bound: int = 256
+    admission_timeout_s: float = 30.0
+    watermark: float = 0.85
+    served_model_names: Sequence[str] = ()
+    dead_after_s: float = 1.0
+
+
+def build_coordinator(cluster: ClusterSpec, plan: Plan, profiles: ProfileSet | None,
+                      options: ServeOptions) -> Coordinator:
+    """The coordinator for ``plan`` on ``cluster`` (not yet connected to agents)."""
+    model_dir = ensure_tokenizer_dir(options.model_dir)
+    tokenizer = ChatTokenizer.from_dir(model_dir)
+    config_file = Path(model_dir) / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    num_layers = int(config.get("num_hidden_layers", 0)) or None
+    if profiles is not None and cluster.model in profiles.models:
+        num_layers = profiles.models[cluster.model].num_layers
+    if num_layers is None:
+        raise ConfigError("cannot tell the model's layer count: give profiles or a model dir with config.json")
+    context = options.max_context_tokens or int(config.get("max_position_embeddings", DEFAULT_CONTEXT_TOKENS))
+    router = Router.from_plan(plan, cluster, profiles, num_layers=num_layers, watermark=options.watermark)
+    names = list(dict.fromkeys([*options.served_model_names, cluster.model, plan.model]))
+    return Coordinator(router, tokenizer, model_names=names, max_context_tokens=context,
+                       max_tokens_cap=min(options.max_tokens_cap, context), planned_flows=plan_flows(plan, cluster, profiles),
+                       queue_bound=options.queue_bound, admission_timeout_s=options.admission_timeout_s)
+
+
+def agent_addresses(cluster: ClusterSpec, plan: Plan, overrides: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Control address of every placed node: ``overrides`` first, else the cluster's ``address``."""
+    out: dict[str, str] = {}
+    for node in plan.placement:
+        address = (overrides or {}).get(node) or cluster.node(node).address
+        if not address:
+            raise ConfigError(f"node {node!r} has no address; give one in the cluster file or --agent {node}=tcp://HOST:PORT",
+                              source=cluster.source, field=f"nodes.{node}.address")
+        out[node] = address
+    return out
+
+
+def create_server_app(coordinator: Coordinator, agents: Mapping[str, str], *, secret: bytes = b"",
+                      api_keys: Sequence[str] = (), dead_after_s: float = 1.0) -> FastAPI:
+    """The HTTP app whose lifespan connects ``coordinator`` to ``agents`` (node -> control address)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        coordinator.loop = asyncio.get_running_loop()
+        io = AgentsIO(dict(agents), secret=secret, dead_after_s=dead_after_s,
+                      on_agent_dead=coordinator.agent_dead_threadsafe,
+                      on_agent_alive=coordinator.agent_alive_threadsafe)
+        coordinator.attach(io, coordinator.loop)
+        io.start()
+        watcher = asyncio.create_task(coordinator.watch_kv())
+        try:
+            yield
+        finally:
+            watcher.cancel()
+            io.close()
+
+    return create_app(coordinator, api_keys=api_keys, lifespan=lifespan)
+
+
+def make_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "warning") -> object:
+    """A uvicorn server for ``app`` (``await server.serve()``; ``server.should_exit = True`` stops it)."""
+    import uvicorn
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                            timeout_graceful_shutdown=3, lifespan="on")
+    return uvicorn.Server(config)
