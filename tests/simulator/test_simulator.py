@@ -1,0 +1,111 @@
+"""Simulator tests: determinism, conservation, KV limits, ranking sanity, workloads, CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helix.plan import load_plan
+from helix.profile import load_profiles_for
+from helix.spec import load_cluster
+from simulator.engine import SimConfig, simulate
+from simulator.workload import LengthSampler, arrival_times, load_trace
+
+ROOT = Path(__file__).resolve().parents[2]
+PAPER = ROOT / "clusters" / "helix-paper-single24"
+
+
+@pytest.fixture(scope="module")
+def paper():
+    cluster = load_cluster(PAPER / "cluster.yaml")
+    profiles = load_profiles_for(cluster)
+    plans = {name: load_plan(PAPER / "reference" / f"{name}.json") for name in ("milp", "swarm")}
+    return cluster, profiles, plans
+
+
+def test_deterministic_for_a_seed(paper) -> None:
+    cluster, profiles, plans = paper
+    cfg = dict(duration_s=40.0, warmup_s=10.0)
+    a = simulate(cluster, profiles, plans["milp"], SimConfig(seed=3, **cfg)).to_json()
+    b = simulate(cluster, profiles, plans["milp"], SimConfig(seed=3, **cfg)).to_json()
+    c = simulate(cluster, profiles, plans["milp"], SimConfig(seed=4, **cfg)).to_json()
+    assert a == b
+    assert a != c
+
+
+@pytest.mark.parametrize("router", ["iwrr", "random", "shortest-queue", "swarm"])
+def test_offline_drain_conserves_requests_and_respects_kv(paper, router) -> None:
+    cluster, profiles, plans = paper
+    n = 60
+    cfg = SimConfig(router=router, num_requests=n, warmup_s=0.0, duration_s=10_000.0, max_inflight=40, seed=1)
+    res = simulate(cluster, profiles, plans["milp"], cfg)
+    assert res.finished_requests == n  # every issued request finishes; none lost or duplicated
+    assert res.decode_tok_s > 0 and res.prompt_tok_s > 0
+    assert all(f <= 1.0 + 1e-9 for f in res.kv_peak_fraction.values())
+
+
+def test_kv_never_exceeds_capacity_under_overload(paper) -> None:
+    cluster, profiles, plans = paper
+    # random routing with far too many requests in flight: the nodes must preempt, never overfill
+    res = simulate(cluster, profiles, plans["milp"],
+                   SimConfig(router="random", max_inflight=900, duration_s=200.0, warmup_s=0.0, lengths="fixed:1500,1000"))
+    assert res.preemptions > 0
+    assert max(res.kv_peak_fraction.values()) <= 1.0 + 1e-9
+    # IWRR's watermark keeps its own estimate under the watermark
+    res = simulate(cluster, profiles, plans["milp"], SimConfig(duration_s=60.0, warmup_s=0.0))
+    assert max(res.kv_estimate_peak_fraction.values()) <= 0.85 + 1e-9
+    assert max(res.kv_peak_fraction.values()) <= 1.0 + 1e-9
+
+
+def test_ranking_milp_beats_swarm(paper) -> None:
+    cluster, profiles, plans = paper
+    cfg = dict(duration_s=150.0, warmup_s=60.0)
+    milp = simulate(cluster, profiles, plans["milp"], SimConfig(**cfg))
+    swarm = simulate(cluster, profiles, plans["swarm"], SimConfig(router="swarm", max_inflight=180, **cfg))
+    assert milp.decode_tok_s > 1.3 * swarm.decode_tok_s
+
+
+def test_online_poisson_and_trace_replay(paper, tmp_path) -> None:
+    cluster, profiles, plans = paper
+    res = simulate(cluster, profiles, plans["milp"], SimConfig(mode="online", rate_per_s=0.5, duration_s=60.0, warmup_s=0.0))
+    assert res.admitted_requests > 10 and res.prompt_latency_s["p50"] > 0
+    trace = tmp_path / "t.csv"
+    trace.write_text("arrival_s,prompt_tokens,output_tokens\n0.0,100,5\n0.5,200,3\n1.0,50,4\n")
+    specs = load_trace(trace)
+    res = simulate(cluster, profiles, plans["milp"],
+                   SimConfig(mode="online", trace=specs, num_requests=3, duration_s=100.0, warmup_s=0.0))
+    assert res.finished_requests == 3
+    assert res.prompt_tok_s * (res.sim_end_s) == pytest.approx(350, rel=1e-6)
+
+
+def test_workload_statistics() -> None:
+    s = LengthSampler("azure-conv", seed=0)
+    xs = [s.sample() for _ in range(50_000)]
+    mean_p = sum(p for p, _ in xs) / len(xs)
+    mean_o = sum(o for _, o in xs) / len(xs)
+    assert abs(mean_p - 763) < 15 and abs(mean_o - 232) < 5
+    assert max(p for p, _ in xs) <= 2048 and max(o for _, o in xs) <= 1024
+    poisson = arrival_times(2.0, 2000.0, seed=0)
+    bursty = arrival_times(2.0, 2000.0, cv=3.0, seed=0)
+    assert abs(len(poisson) / 2000.0 - 2.0) < 0.15 and abs(len(bursty) / 2000.0 - 2.0) < 0.5
+
+
+def test_cli_json() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "helix.cli", "simulate", str(PAPER / "cluster.yaml"), str(PAPER / "reference" / "milp.json"),
+         "--duration", "20", "--warmup", "5", "--json"],
+        capture_output=True, text=True, check=True, cwd=ROOT,
+    )
+    data = json.loads(out.stdout)
+    assert data["decode_tok_s"] >= 0 and data["prompt_tok_s"] > 0
+    assert set(data["decode_latency_s"]) == {"mean", "p50", "p90", "p99"}
+    bad = subprocess.run(
+        [sys.executable, "-m", "helix.cli", "simulate", str(PAPER / "cluster.yaml"), str(PAPER / "reference" / "milp.json"),
+         "--router", "iwrr", "--trace", "/nonexistent.csv"],
+        capture_output=True, text=True, cwd=ROOT,
+    )
+    assert bad.returncode != 0 and "file not found" in bad.stderr
