@@ -20,7 +20,15 @@ from helix.errors import ConfigError, HelixError
 from helix.plan import Plan
 from helix.profile import ProfileSet, load_profiles_for
 from helix.spec import ClusterSpec, load_cluster
-from planner.api import METHODS, OBJECTIVES, baseline_placements, evaluate_plan, finish_plan, load_checked_plan, make_plan
+from planner.api import (
+    METHODS,
+    OBJECTIVES,
+    baseline_placements,
+    evaluate_plan,
+    finish_plan,
+    load_checked_plan,
+    make_plan,
+)
 from planner.graph import CapacityModel
 
 
@@ -134,9 +142,9 @@ def print_plan(console: Console, plan: Plan, cluster: ClusterSpec, profiles: Pro
     cap = CapacityModel.build(cluster, profiles)
     gpu = {n.id: n.gpu for n in cluster.nodes}
     through: dict[str, float] = {}
-    for e in plan.flows:
-        if e.dst != cluster.coordinator.id:
-            through[e.dst] = through.get(e.dst, 0.0) + e.tok_s
+    for edge in plan.flows:
+        if edge.dst != cluster.coordinator.id:
+            through[edge.dst] = through.get(edge.dst, 0.0) + edge.tok_s
     table = Table(title=f"{plan.cluster} · {plan.model} · method {plan.method}")
     for col in ("node", "GPU", "layers", "#", "flow tok/s", "capacity tok/s", "util"):
         table.add_column(col, justify="right" if col not in ("node", "GPU", "layers") else "left")
@@ -247,9 +255,9 @@ def draw_plan(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, out: Path)
     cap = CapacityModel.build(cluster, profiles)
     gpu = {n.id: n.gpu for n in cluster.nodes}
     through: dict[str, float] = {}
-    for e in plan.flows:
-        if e.dst != cluster.coordinator.id:
-            through[e.dst] = through.get(e.dst, 0.0) + e.tok_s
+    for edge in plan.flows:
+        if edge.dst != cluster.coordinator.id:
+            through[edge.dst] = through.get(edge.dst, 0.0) + edge.tok_s
     stages = plan.stages()
     colors = {g: matplotlib.colormaps["tab10"](i) for i, g in enumerate(sorted(set(gpu.values())))}
     fig, ax = plt.subplots(figsize=(10, max(3.0, 0.3 * len(stages) + 1.5)))

@@ -1,0 +1,47 @@
+"""The shipped example clusters load, plan, and the demo survives losing any one agent."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.api import make_plan
+from planner.graph import CapacityModel, max_flow_value
+
+from .conftest import DEMO, GEO, load
+
+
+def survives_any_single_loss(cap: CapacityModel, placement: dict[str, tuple[int, int]]) -> bool:
+    for lost in placement:
+        rest = {n: r for n, r in placement.items() if n != lost}
+        covered = {layer for s, e in rest.values() for layer in range(s, e)}
+        if covered != set(range(cap.num_layers)) or max_flow_value(cap, rest) <= 0:
+            return False
+    return True
+
+
+def test_demo_cluster_shape() -> None:
+    cluster, profiles = load(DEMO)
+    assert len(cluster.nodes) == 3 and {n.gpu for n in cluster.nodes} == {"cpu"}
+    assert all(n.address and n.address.startswith("tcp://127.0.0.1:") for n in cluster.nodes)
+    model = profiles.models["smollm2-135m"]
+    assert (model.num_layers, model.hidden_size) == (30, 576)
+
+
+@pytest.mark.parametrize("method", ["paper-milp", "petals", "helix"])
+def test_demo_plan_survives_losing_any_agent(method: str) -> None:
+    if method == "helix":
+        pytest.importorskip("planner.optimize")
+    cluster, profiles = load(DEMO)
+    plan = make_plan(cluster, profiles, method=method, objective="max-flow", time_limit_s=20, threads=1)
+    cap = CapacityModel.build(cluster, profiles)
+    assert survives_any_single_loss(cap, dict(plan.placement)), plan.placement
+
+
+def test_geo_uses_defaults_and_slow_inter_region_links() -> None:
+    cluster, profiles = load(GEO)
+    assert len({n.region for n in cluster.nodes}) == 3 and cluster.defaults is not None
+    links = cluster.resolved_links()
+    assert links[("use-a100-0", "euw-t4-0")].bandwidth_gbps < 1 <= links[("use-a100-0", "use-l4-0")].bandwidth_gbps
+    assert links[("use-l4-2", "usw-l4-0")].bandwidth_gbps == 1  # the explicit link wins
+    plan = make_plan(cluster, profiles, method="petals")
+    assert plan.max_flow_tok_s > 0
