@@ -46,6 +46,7 @@ from router.openai_schema import (
     error_body,
     now_s,
 )
+from router.pipeline import Pipeline
 
 log = logging.getLogger(__name__)
 
@@ -198,9 +199,9 @@ def _generation(coordinator: Coordinator, body: Any, prompt_ids: list[int], *, d
                              top_p=body.top_p, seed=body.seed, stop=tuple(body.stop_strings))
 
 
-def _helix_info(finish: Finish) -> HelixInfo:
+def _helix_info(pipelines: Sequence[Pipeline]) -> HelixInfo:
     return HelixInfo(pipelines=[[StageInfo(node=s.node, layers=(s.layer_start, s.layer_end)) for s in p.stages]
-                                for p in finish.pipelines], reroutes=finish.reroutes)
+                                for p in pipelines], reroutes=max(0, len(pipelines) - 1))
 
 
 def _usage(finish: Finish) -> Usage:
@@ -238,11 +239,11 @@ async def _serve(request: Request, coordinator: Coordinator, gen: GenerationRequ
         return JSONResponse(ChatCompletionResponse(
             id=handle.response_id("chatcmpl"), created=created, model=model,
             choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=finish.reason)],
-            usage=_usage(finish), helix=_helix_info(finish)).model_dump(exclude_none=True))
+            usage=_usage(finish), helix=_helix_info(finish.pipelines)).model_dump(exclude_none=True))
     return JSONResponse(CompletionResponse(
         id=handle.response_id("cmpl"), created=created, model=model,
         choices=[CompletionChoice(text=text, finish_reason=finish.reason)],
-        usage=_usage(finish), helix=_helix_info(finish)).model_dump(exclude_none=True))
+        usage=_usage(finish), helix=_helix_info(finish.pipelines)).model_dump(exclude_none=True))
 
 
 async def _collect(handle: RequestHandle) -> tuple[str, Finish]:
@@ -266,7 +267,7 @@ async def _sse(handle: RequestHandle, coordinator: Coordinator, body: Any, kind:
 
     def chunk(text: str | None, finish: Finish | None = None, *, first: bool = False) -> BaseModel:
         reason = finish.reason if finish else None
-        info = _helix_info(finish) if finish else None
+        info = _helix_info(finish.pipelines) if finish else _helix_info(handle.pipelines) if first else None
         if kind == "chat":
             delta = ChatDelta(role="assistant" if first else None, content=text)
             return ChatCompletionChunk(id=rid, created=created, model=model, helix=info,
@@ -275,8 +276,7 @@ async def _sse(handle: RequestHandle, coordinator: Coordinator, body: Any, kind:
                                   choices=[CompletionChoice(text=text or "", finish_reason=reason)])
 
     try:
-        if kind == "chat":
-            yield _sse_data(chunk("", first=True))
+        yield _sse_data(chunk("", first=True))  # carries the pipeline the request starts on
         async for event in handle.events():
             if isinstance(event, Finish):
                 yield _sse_data(chunk(None if kind == "chat" else "", event))

@@ -147,6 +147,7 @@ def run_demo(args: argparse.Namespace) -> int:
     plan.save(plan_path)
     secret = secrets.token_hex(16)
     agents = AgentProcesses(Path(args.cluster).resolve(), plan_path, workdir, secret=secret, model_dir=args.model_dir)
+    console.print(f"[dim]agent logs in {workdir}[/]")
     try:
         agents.start(plan.placement)
         addresses = _wait_agents(console, agents, len(plan.placement))

@@ -107,6 +107,11 @@ class RequestHandle:
     def request_id(self) -> str:
         return self._flight.request_id
 
+    @property
+    def pipelines(self) -> tuple[Pipeline, ...]:
+        """The pipelines the request has run on so far (the last one is current)."""
+        return tuple(self._flight.pipelines)
+
     def response_id(self, prefix: str) -> str:
         return f"{prefix}-{self._flight.request_id}"
 

@@ -64,12 +64,14 @@ class AgentProcesses:
             self.start_one(node)
 
     def start_one(self, node: str) -> AgentProcess:
-        """Spawn the agent of ``node`` (replacing a dead one); returns before it is READY."""
+        """Spawn the agent of ``node``; returns before it is READY. A restarted agent binds the
+        control address its predecessor had, so the coordinator finds it again."""
         old = self.agents.get(node)
         if old is not None and old.proc.poll() is None:
             raise HelixError(f"agent {node} is already running (pid {old.proc.pid})")
+        bind = old.control_address if old is not None and old.control_address else "tcp://127.0.0.1:*"
         cmd = [sys.executable, "-m", "helix.cli", "agent", "--cluster", str(self.cluster), "--plan", str(self.plan),
-               "--node", node, "--bind", "tcp://127.0.0.1:*", "--threads", "1", *self.extra_args]
+               "--node", node, "--bind", bind, "--threads", "1", *self.extra_args]
         if self.model_dir:
             cmd += ["--model-dir", self.model_dir]
         env = {**os.environ, "HELIX_SECRET": self.secret, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
