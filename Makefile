@@ -20,7 +20,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/helix demo
+	$(BIN)/helix plan clusters/helix-paper-single24/cluster.yaml --compare
 
 test: $(STAMP)
 	$(BIN)/ruff check .
