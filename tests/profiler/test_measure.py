@@ -1,0 +1,119 @@
+"""``helix profile --cluster``: the real engine, real ZeroMQ probes, the files it writes, the cache."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from helix.cli import main as helix_main
+from helix.errors import ConfigError
+from helix.profile import load_profile_file, load_profiles_for
+from helix.spec import load_cluster
+from profiler.cluster_profile import profile_cluster
+from profiler.files import ProfileCache
+from profiler.links import ProbeSet
+from profiler.measure import MeasureSettings
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "clusters" / "demo"
+QUICK = MeasureSettings(probe_layers=1, prefill_tokens=(8, 32), decode_batches=(1, 4), context_tokens=16, repeats=1)
+
+
+@pytest.fixture()
+def demo(tmp_path: Path) -> Path:
+    if not (DEMO / "cluster.yaml").is_file():
+        pytest.skip("clusters/demo not there")
+    shutil.copytree(DEMO, tmp_path / "demo")
+    return tmp_path / "demo" / "cluster.yaml"
+
+
+def test_profile_demo_cluster_writes_loadable_profiles_and_links(demo: Path) -> None:
+    cluster = load_cluster(demo)
+    result = profile_cluster(cluster, settings=QUICK)
+    assert result.measured == ["cpu"] and not result.cache_hits
+    profiles = load_profiles_for(load_cluster(demo))  # the planner's loader accepts what we wrote
+    tp = profiles.throughput("cpu", cluster.model)
+    assert tp.tok_s is None and tp.prefill_ms_per_layer and tp.decode_ms_per_layer
+    assert [t for t, _ in tp.prefill_ms_per_layer] == [8.0, 32.0]
+    assert all(ms > 0 for _, ms in tp.prefill_ms_per_layer + tp.decode_ms_per_layer)
+    assert tp.max_layers == profiles.models[cluster.model].num_layers == 30
+    table = tp.tok_s_table(profiles.models[cluster.model])
+    assert len(table) == 30 and all(t > 0 for t in table)
+    links = yaml.safe_load((demo.parent / "links-measured.yaml").read_text())["links"]
+    assert len(links) == 12  # coordinator + 3 nodes, every ordered pair
+    assert all(link["bandwidth_gbps"] > 0 and link["latency_ms"] > 0 for link in links)
+    # a rerun is served from the cache (engine and links)
+    again = profile_cluster(load_cluster(demo), settings=QUICK)
+    assert again.cache_hits == ["cpu"] and not again.measured
+    assert [m.as_dict() for m in again.links] == [m.as_dict() for m in result.links]
+    assert load_profile_file(again.profiles_path) == load_profile_file(result.profiles_path)
+    forced = profile_cluster(load_cluster(demo), settings=QUICK, force=True, measure_links=False)
+    assert forced.measured == ["cpu"]
+
+
+def test_profiles_merge_keeps_other_entries(demo: Path, tmp_path: Path) -> None:
+    out = tmp_path / "merged.yaml"
+    shutil.copy(ROOT / "clusters" / "helix-paper-single24" / "profiles-llama70b.yaml", out)
+    profile_cluster(load_cluster(demo), settings=QUICK, output=out, measure_links=False)
+    merged = load_profile_file(out)
+    assert {"A100", "L4", "T4", "cpu"} <= set(merged.gpus)
+    assert {"llama-2-70b", "smollm2-135m"} <= set(merged.models)
+
+
+def test_cache_ignores_other_keys_and_corrupt_files(tmp_path: Path) -> None:
+    cache = ProfileCache(tmp_path)
+    cache.put({"model": "m", "device": "d"}, {"x": 1})
+    assert cache.get({"model": "m", "device": "d"}) == {"x": 1}
+    assert cache.get({"model": "m", "device": "other"}) is None
+    for f in tmp_path.iterdir():
+        f.write_text("{not json")
+    assert cache.get({"model": "m", "device": "d"}) is None
+
+
+def test_link_probe_measures_loopback() -> None:
+    with ProbeSet({"a": "127.0.0.1", "b": "localhost"}) as probes:
+        m = probes.measure("a", "b", pings=3, bulk_bytes=1 << 20, chunk_bytes=1 << 18)
+    assert m.src == "a" and m.dst == "b" and m.bandwidth_gbps > 0 and m.latency_ms > 0
+
+
+def _err(capsys: pytest.CaptureFixture[str]) -> str:
+    """stderr with rich's line wrapping undone."""
+    return " ".join(capsys.readouterr().err.split())
+
+
+def test_bad_inputs_are_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nmodel: smollm2-135m\nprofiles: p.yaml\nnodes: [{id: a, gpu: cpu, colour: red}]\n")
+    assert helix_main(["profile", "--cluster", str(bad)]) == 2
+    assert "nodes[0].colour: unknown field" in _err(capsys)
+    assert helix_main(["profile", "--estimate", "--gpus", "A100,B200", "--model", "llama-2-70b"]) == 2
+    assert "unknown GPU 'B200'" in _err(capsys)
+    assert helix_main(["profile"]) == 2
+    assert "--cluster" in _err(capsys)
+    assert helix_main(["profile", "--cluster", str(tmp_path / "missing.yaml")]) == 2
+    assert "file not found" in _err(capsys)
+
+
+def test_unknown_model_needs_model_dir(tmp_path: Path) -> None:
+    cluster = tmp_path / "c.yaml"
+    cluster.write_text("name: x\nmodel: llama-2-70b\nprofiles: p.yaml\nnodes: [{id: a, gpu: cpu}]\n"
+                       "links: [{src: coordinator, dst: a, bandwidth_gbps: 1, bidirectional: true}]\n")  # fmt: skip
+    with pytest.raises(ConfigError, match="--model-dir"):
+        profile_cluster(load_cluster(cluster), settings=QUICK)
+
+
+def test_estimate_command_writes_a_profiles_file(tmp_path: Path) -> None:
+    out = tmp_path / "est.yaml"
+    assert helix_main(["profile", "--estimate", "--gpus", "A100,L4,T4,H100,V100,A10G,RTX4090,A100-80GB",
+                       "--model", "llama-2-70b", "-o", str(out)]) == 0  # fmt: skip
+    profiles = load_profile_file(out)
+    assert len(profiles.gpus) == 8
+    assert profiles.throughput("L4", "llama-2-70b").max_layers == 7
+    # --cluster: GPU types and model from the cluster; the planner can load the result
+    cluster = ROOT / "clusters" / "helix-paper-single24" / "cluster.yaml"
+    out2 = tmp_path / "paper-est.yaml"
+    assert helix_main(["profile", "--estimate", "--cluster", str(cluster), "-o", str(out2)]) == 0
+    assert set(load_profile_file(out2).gpus) == {"A100", "L4", "T4"}
