@@ -30,6 +30,7 @@ output tokens per request (Azure conversation trace means: 763 / 232):
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass, field
 
 from planner.graph import hands_off
@@ -37,6 +38,7 @@ from planner.highs_model import Model
 from planner.instance import Curve, Instance, Placement
 
 MAX_PATHS = 400
+MAX_PREFILL_BUSY = 0.9
 
 
 @dataclass(slots=True, frozen=True)
@@ -46,7 +48,8 @@ class Workload:
     kv_watermark: float = 0.9
     reserve_tokens: float | None = None  # KV reserved per request per layer; None = prompt + output
     prompt_counts_in_tok_s: bool = False  # True: T_i(k) caps prompt+decode tokens; False: decode only
-    compute: str = "curves"  # "curves": node time from the latency curves when profiled; "tok_s": T_i(k)
+    compute: str = "curves"
+    routing: str = "flows"  # "flows": split as the max-flow paths (IWRR); "free": LP picks paths  # "curves": node time from the latency curves when profiled; "tok_s": T_i(k)
     fixed_hop_ms: float = 0.0  # per-hop overhead not in the link latency (e.g. host copies)
 
 
@@ -116,9 +119,12 @@ class ServingModel:
 
     def decode_s(self, node: str, layers_run: int, batch: float) -> float:
         g = self.inst.gpus[self.inst.gpu_of[node]]
-        if g.decode_ms is not None:
-            return layers_run * interp(g.decode_ms, max(1.0, batch)) / 1000.0
-        return max(1.0, batch) / g.tok_s[layers_run - 1]
+        batch = max(1.0, batch)
+        if g.decode_ms is None:
+            return batch / g.tok_s[layers_run - 1]
+        cap = float(g.decode_max_batch[layers_run - 1]) if g.decode_max_batch else batch
+        steps = math.ceil(batch / cap - 1e-9)  # a batch above the node's decode limit takes several steps
+        return steps * layers_run * interp(g.decode_ms, batch / steps) / 1000.0
 
     def prefill_s(self, node: str, layers_run: int) -> float:
         g = self.inst.gpus[self.inst.gpu_of[node]]
@@ -195,25 +201,32 @@ class ServingModel:
     # the estimate --------------------------------------------------------------------
 
     def estimate(
-        self, placement: Placement, flows: dict[tuple[str, str], float], max_flow: float, *, iterations: int = 6
+        self, placement: Placement, flows: dict[tuple[str, str], float], max_flow: float, *, iterations: int = 10
     ) -> ServingEstimate:
         inst, w, coord = self.inst, self.w, self.inst.coordinator
         if max_flow <= 0:
             return ServingEstimate(0.0, max_flow, 0.0, 0.0, 0.0, "none")
-        paths = [p for p, _ in _decompose(flows, coord)]
-        for p in self.short_paths(placement):
-            if p not in paths:
-                paths.append(p)
+        decomposed = _decompose(flows, coord)
+        paths = [p for p, _ in decomposed]
+        weights = [f for _, f in decomposed]
+        if w.routing == "free":
+            for p in self.short_paths(placement):
+                if p not in paths:
+                    paths.append(p)
         runs = [self._layers_run(placement, p) for p in paths]
         tokens_per_decode = (w.prompt_tokens + w.output_tokens) / w.output_tokens
         t_row = tokens_per_decode if w.prompt_counts_in_tok_s else 1.0
         ctx = w.reserve_tokens if w.reserve_tokens is not None else w.prompt_tokens + w.output_tokens
         batch = {n: 8.0 for n in placement}
+        busy_prefill = {n: 0.0 for n in placement}  # share of a node's time spent on prefills
         result = ServingEstimate(0.0, max_flow, 0.0, 0.0, 0.0, "none")
         for _ in range(iterations):
             taus, times = [], []
             for p, r in zip(paths, runs, strict=True):
-                hop = [self.decode_s(n, lr, batch[n]) for n, lr in zip(p, r, strict=True)]
+                # a decode step waits for the whole iteration, prefill chunks included
+                hop = [
+                    self.decode_s(n, lr, batch[n]) / (1.0 - busy_prefill[n]) for n, lr in zip(p, r, strict=True)
+                ]
                 lat = self.link_s(coord, p[0]) + self.link_s(p[-1], coord)
                 lat += sum(self.link_s(a, b) for a, b in zip(p, p[1:], strict=False))
                 pre = sum(self.prefill_s(n, lr) for n, lr in zip(p, r, strict=True)) + lat
@@ -221,7 +234,13 @@ class ServingModel:
                 taus.append(wp + pre / w.output_tokens)
                 times.append((wp, hop))
             m = Model(maximize=True)
+            rows_kind_pre: list[str] = []
             cols = [m.add_col(0.0, cost=1.0 / tau) for tau in taus]
+            if w.routing == "flows":  # the router splits requests in proportion to the plan's flows
+                alpha = m.add_col(0.0)
+                for j, c in enumerate(cols):
+                    m.add_row([c, alpha], [1.0 / taus[j], -weights[j]], 0.0, 0.0)
+                    rows_kind_pre.append("split")
             through: dict[str, list[int]] = {}
             over: dict[tuple[str, str], list[int]] = {}
             for j, p in enumerate(paths):
@@ -229,7 +248,7 @@ class ServingModel:
                     through.setdefault(n, []).append(j)
                 for e in zip([coord, *p], [*p, coord], strict=True):
                     over.setdefault(e, []).append(j)
-            rows_kind: list[str] = []
+            rows_kind: list[str] = rows_kind_pre
             for n, js in through.items():
                 s, e = placement[n]
                 g = inst.gpus[inst.gpu_of[n]]
@@ -270,15 +289,15 @@ class ServingModel:
             fill = 1.0 if fill == float("inf") else max(1.0, fill)
             new_batch = {n: 1.0 for n in placement}
             for j, p in enumerate(paths):
-                wp, hop = times[j]
-                for n, h in zip(p, hop, strict=True):
-                    new_batch[n] += fill * n_p[j] * h / max(wp, 1e-9)
-            for n in placement:
-                g = inst.gpus[inst.gpu_of[n]]
-                if g.decode_max_batch:
-                    s, e = placement[n]
-                    new_batch[n] = min(new_batch[n], float(g.decode_max_batch[e - s - 1]))
+                for n in p:
+                    new_batch[n] += fill * n_p[j]
             batch = {n: max(1.0, 0.5 * batch[n] + 0.5 * new_batch[n]) for n in placement}
+            new_busy = {n: 0.0 for n in placement}
+            for j, p in enumerate(paths):
+                lam = n_p[j] / taus[j] / w.output_tokens  # requests/s on this path
+                for n, lr in zip(p, runs[j], strict=True):
+                    new_busy[n] += lam * self.prefill_s(n, lr)
+            busy_prefill = {n: min(MAX_PREFILL_BUSY, 0.5 * busy_prefill[n] + 0.5 * new_busy[n]) for n in placement}
             total_n = sum(n_p)
             y = [n_p[j] / taus[j] for j in range(len(paths))]
             ysum = sum(y)
