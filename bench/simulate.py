@@ -1,0 +1,144 @@
+"""Simulator benchmark (issue 5): fidelity, placements, routing, KV peaks, speed — one run.
+
+On ``clusters/helix-paper-single24`` (LLaMA-2 70B, offline, 60 s warm-up + 600 s measured):
+
+1. fidelity: the paper's MILP placement with IWRR vs the paper's 252.1 decode tok/s, and
+   Swarm's placement with Swarm routing (180 requests in flight, the paper's setting) vs 124.7;
+2. placements with IWRR: the paper's MILP, our planner's default (``make_plan(method="helix")``)
+   and the pure max-flow objective, with their prompt/decode latencies;
+3. routing on the MILP placement: IWRR + KV masking vs random (at the KV-bound concurrency and
+   saturated), shortest queue and Swarm-style, with preemptions and peak KV;
+4. peak KV per node; throughput over time (steady state); speed and memory.
+
+Run: ``.venv/bin/python bench/simulate.py`` (``--quick`` for a 120 s window).
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import sys
+import time
+import tracemalloc
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from helix.plan import Plan, load_plan  # noqa: E402
+from helix.profile import load_profiles_for  # noqa: E402
+from helix.spec import load_cluster  # noqa: E402
+from simulator.engine import SimConfig, SimResult, simulate  # noqa: E402
+
+PAPER = ROOT / "clusters" / "helix-paper-single24"
+PAPER_MILP, PAPER_SWARM = 252.1, 124.7
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--planner-time-limit", type=float, default=60.0)
+    args = ap.parse_args()
+    duration, warmup = (120.0, 60.0) if args.quick else (600.0, 60.0)
+    console = Console(width=170)
+    cluster = load_cluster(PAPER / "cluster.yaml")
+    profiles = load_profiles_for(cluster)
+    milp = load_plan(PAPER / "reference" / "milp.json")
+    swarm_plan = load_plan(PAPER / "reference" / "swarm.json")
+
+    def run(plan: Plan, router: str = "iwrr", **kw: object) -> tuple[SimResult, float]:
+        t0 = time.perf_counter()
+        res = simulate(cluster, profiles, plan, SimConfig(router=router, duration_s=duration, warmup_s=warmup, **kw))
+        return res, time.perf_counter() - t0
+
+    # 1. fidelity (+ speed and memory on the first run)
+    tracemalloc.start()
+    r_milp, wall_milp = run(milp)
+    _, peak_traced = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    r_swarm, wall_swarm = run(swarm_plan, "swarm", max_inflight=180)
+    t = Table(title=f"Fidelity vs the paper's simulator (offline, {warmup:.0f}+{duration:.0f} s)")
+    for c in ("placement + router", "decode tok/s", "paper", "error", "within 15%"):
+        t.add_column(c, justify="left" if c.startswith("placement") else "right")
+    for name, r, ref in (("paper MILP + IWRR/KV", r_milp, PAPER_MILP), ("Swarm + Swarm routing", r_swarm, PAPER_SWARM)):
+        err = r.decode_tok_s / ref - 1
+        t.add_row(name, f"{r.decode_tok_s:.1f}", f"{ref:.1f}", f"{err:+.1%}", "yes" if abs(err) <= 0.15 else "NO")
+    console.print(t)
+
+    # 2. placements
+    plans: list[tuple[str, Plan]] = [("paper MILP (reference)", milp), ("paper Swarm (reference)", swarm_plan)]
+    try:
+        from planner.api import make_plan
+    except ImportError:
+        console.print("[yellow]planner.api.make_plan is not available yet: skipping our planner's placements[/]")
+    else:
+        for label, objective in (("helix planner (default objective)", "serving"), ("helix planner (max-flow objective)", "max-flow")):
+            t0 = time.perf_counter()
+            plan = make_plan(cluster, profiles, method="helix", objective=objective, time_limit_s=args.planner_time_limit, threads=1)
+            console.print(f"[dim]planned {label} in {time.perf_counter() - t0:.0f} s: max flow {plan.max_flow_tok_s:.1f}, "
+                          f"score {plan.score}[/]")
+            plans.append((label, plan))
+    t = Table(title="Placements, all with IWRR + KV masking (offline)")
+    for c in ("placement", "max flow", "planner decode est.", "decode tok/s", "× paper MILP", "prompt tok/s",
+              "prompt p50 s", "decode p50 s/tok"):
+        t.add_column(c, justify="left" if c == "placement" else "right")
+    for label, plan in plans:
+        r = r_milp if plan is milp else run(plan)[0]
+        score = plan.score.get("decode_tok_s")  # the planner's serving-model estimate, if it made one
+        t.add_row(label, f"{plan.max_flow_tok_s:.1f}", "-" if score is None else f"{score:.1f}", f"{r.decode_tok_s:.1f}",
+                  f"{r.decode_tok_s / r_milp.decode_tok_s:.2f}", f"{r.prompt_tok_s:.1f}",
+                  f"{r.prompt_latency_s['p50']:.2f}", f"{r.decode_latency_s['p50']:.3f}")
+    console.print(t)
+
+    # 3. routing on the MILP placement
+    t = Table(title="Routing on the paper's MILP placement (offline)")
+    for c in ("router", "in flight", "decode tok/s", "IWRR ÷ this", "preemptions", "max KV peak (true)", "decode p50 s/tok"):
+        t.add_column(c, justify="left" if c == "router" else "right")
+    rows = [("IWRR + KV masking", r_milp, "KV-fed")]
+    for label, router, kw in (("random (KV-bound concurrency)", "random", {}),
+                              ("random (saturated, 900)", "random", {"max_inflight": 900}),
+                              ("shortest queue", "shortest-queue", {}), ("swarm-style", "swarm", {})):
+        r = run(milp, router, **kw)[0]
+        rows.append((label, r, str(r.max_inflight)))
+    for label, r, infl in rows:
+        t.add_row(label, infl, f"{r.decode_tok_s:.1f}", f"{r_milp.decode_tok_s / r.decode_tok_s:.2f}", str(r.preemptions),
+                  f"{max(r.kv_peak_fraction.values()):.0%}", f"{r.decode_latency_s['p50']:.3f}")
+    console.print(t)
+
+    # 4. KV peaks and steady state
+    t = Table(title="Peak KV per node, paper MILP + IWRR (fraction of capacity)")
+    for c in ("node", "layers", "true peak", "router estimate peak", "utilization"):
+        t.add_column(c, justify="left" if c == "node" else "right")
+    for node, (s, e) in sorted(milp.placement.items(), key=lambda x: (x[1][0], x[0])):
+        t.add_row(node, f"[{s},{e})", f"{r_milp.kv_peak_fraction[node]:.0%}",
+                  f"{r_milp.kv_estimate_peak_fraction.get(node, 0):.0%}", f"{r_milp.node_utilization[node]:.0%}")
+    console.print(t)
+    series = r_milp.throughput_over_time
+    console.print("decode tok/s over time (10 s buckets), paper MILP + IWRR: "
+                  + " ".join(f"{v:.0f}" for _, v in series))
+    per_min = [sum(v for t_, v in series if m * 60 < t_ <= (m + 1) * 60) / 6 for m in range(int(series[-1][0] // 60))]
+    console.print("per-minute means: " + " ".join(f"{v:.0f}" for v in per_min))
+
+    # 5. speed
+    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    sim_s = warmup + duration
+    t = Table(title="Speed and size (24 nodes, one run)")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    t.add_column("target", justify="right")
+    t.add_row("simulated seconds", f"{sim_s:.0f}", "600+")
+    t.add_row("wall seconds (MILP + IWRR, under tracemalloc)", f"{wall_milp:.1f}", "≤ 60")
+    t.add_row("wall seconds (Swarm + swarm routing)", f"{wall_swarm:.1f}", "≤ 60")
+    t.add_row("sim-seconds per wall-second", f"{sim_s / wall_swarm:.0f}", "")
+    t.add_row("events (MILP + IWRR)", f"{r_milp.events}", "")
+    t.add_row("peak traced Python memory (MiB)", f"{peak_traced / 2**20:.1f}", "")
+    t.add_row("peak RSS of this whole bench process (MiB)", f"{rss_mb:.0f}", "≤ 1024")
+    console.print(t)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
