@@ -45,7 +45,6 @@ class ServeOptions:
     admission_timeout_s: float = 30.0
     watermark: float = 0.85
     served_model_names: Sequence[str] = ()
-    dead_after_s: float = 1.0
 
 
 def build_coordinator(cluster: ClusterSpec, plan: Plan, profiles: ProfileSet | None,
@@ -81,8 +80,11 @@ def agent_addresses(cluster: ClusterSpec, plan: Plan, overrides: Mapping[str, st
 
 
 def create_server_app(coordinator: Coordinator, agents: Mapping[str, str], *, secret: bytes = b"",
-                      api_keys: Sequence[str] = (), dead_after_s: float = 1.0) -> FastAPI:
-    """The HTTP app whose lifespan connects ``coordinator`` to ``agents`` (node -> control address)."""
+                      api_keys: Sequence[str] = (), dead_after_s: float = 1.8) -> FastAPI:
+    """The HTTP app whose lifespan connects ``coordinator`` to ``agents`` (node -> control address).
+
+    Agents heartbeat every 0.25 s; one silent for ``dead_after_s`` is dead (noticed within 2 s).
+    """
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

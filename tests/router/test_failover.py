@@ -1,0 +1,78 @@
+"""kill -9 of an agent mid-generation: the request moves to a new pipeline, is re-prefilled from
+prompt + tokens so far, and finishes with the same greedy output; a returning agent is used
+again; with no complete pipeline left clients get a clear 503 and /health says not ready."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+MODEL = "smollm2-135m"
+POEM = [{"role": "user", "content": "Write a short poem about the sea."}]
+
+
+def _restart(cluster, *nodes: str) -> None:
+    for node in nodes:
+        cluster.agents.start_one(node)
+    cluster.agents.wait_ready(timeout_s=240)
+    cluster.wait_until(lambda: all(cluster.health()["nodes"][n] for n in nodes), what=f"{nodes} back")
+
+
+def test_kill_mid_generation_same_greedy_output(serving_cluster) -> None:
+    client = serving_cluster.client()
+    reference = client.chat.completions.create(model=MODEL, messages=POEM, max_tokens=32, temperature=0)
+    expected = reference.choices[0].message.content
+
+    stream = client.chat.completions.create(model=MODEL, messages=POEM, max_tokens=32, temperature=0, stream=True)
+    parts: list[str] = []
+    victim = None
+    final_info = None
+    for chunk in stream:
+        info = (chunk.model_extra or {}).get("helix")
+        if info and victim is None:
+            first_pipeline = [s["node"] for s in info["pipelines"][0]]
+        if chunk.choices and chunk.choices[0].delta.content:
+            parts.append(chunk.choices[0].delta.content)
+            if len(parts) == 3 and victim is None:
+                victim = first_pipeline[-1]
+                serving_cluster.agents.kill(victim)  # kill -9
+        if chunk.choices and chunk.choices[0].finish_reason:
+            final_info = info
+    assert victim is not None, "the answer was too short to kill an agent mid-generation"
+    assert "".join(parts) == expected
+    pipelines = [[s["node"] for s in p] for p in final_info["pipelines"]]
+    assert len(pipelines) >= 2 and victim in pipelines[0] and victim not in pipelines[-1]
+    assert final_info["reroutes"] >= 1
+
+    health = serving_cluster.health()
+    assert health["status"] == "ready" and health["nodes"][victim] is False
+
+    _restart(serving_cluster, victim)
+    used = set()
+    for _ in range(12):  # IWRR comes back to the returning node
+        out = client.completions.create(model=MODEL, prompt="Hi", max_tokens=1, temperature=0)
+        used |= {s["node"] for s in out.model_extra["helix"]["pipelines"][0]}
+        if victim in used:
+            break
+    assert victim in used
+
+
+def test_no_pipeline_left_then_recovery(serving_cluster) -> None:
+    client = serving_cluster.client()
+    stream = client.chat.completions.create(model=MODEL, messages=POEM, max_tokens=400, temperature=0, stream=True)
+    with pytest.raises(openai.APIError) as in_flight:
+        for n, _chunk in enumerate(stream):
+            if n == 2:  # cpu-2 alone holds only layers [18, 30): no complete pipeline is left
+                serving_cluster.agents.kill("cpu-0")
+                serving_cluster.agents.kill("cpu-1")
+    assert "no complete pipeline" in str(in_flight.value)
+
+    serving_cluster.wait_until(lambda: serving_cluster.health()["status"] == "not ready", what="not ready")
+    with pytest.raises(openai.InternalServerError) as refused:
+        client.chat.completions.create(model=MODEL, messages=POEM, max_tokens=2)
+    assert refused.value.status_code == 503 and "no complete pipeline" in refused.value.message
+
+    _restart(serving_cluster, "cpu-0", "cpu-1")
+    assert serving_cluster.health()["status"] == "ready"
+    out = client.chat.completions.create(model=MODEL, messages=POEM, max_tokens=2, temperature=0)
+    assert out.choices[0].message.content is not None

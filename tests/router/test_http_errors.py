@@ -1,0 +1,108 @@
+"""Bad requests get 4xx with an OpenAI-style error body that says what was wrong; the server keeps
+serving. Also: API keys, and a client that disconnects mid-stream frees its request everywhere."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+MODEL = "smollm2-135m"
+CHAT = [{"role": "user", "content": "Say hi."}]
+
+
+def _error(resp: httpx.Response) -> dict:
+    body = resp.json()
+    assert set(body) == {"error"}, body
+    assert {"message", "type", "param", "code"} <= set(body["error"])
+    return body["error"]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param", "words"),
+    [
+        ({"model": MODEL, "messages": CHAT, "max_tokens": 10**9}, 400, "max_tokens", "exceeds"),
+        ({"model": MODEL, "messages": CHAT, "max_tokens": 0}, 400, "max_tokens", "greater than or equal to 1"),
+        ({"model": MODEL, "messages": CHAT, "n": 3}, 400, "n", "n=1"),
+        ({"model": MODEL, "messages": CHAT, "temperature": 7}, 400, "temperature", "less than or equal to 2"),
+        ({"model": MODEL, "messages": CHAT, "top_p": "high"}, 400, "top_p", "valid number"),
+        ({"model": MODEL, "messages": []}, 400, "messages", "at least 1"),
+        ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages", "role"),
+        ({"messages": CHAT}, 400, "model", "Field required"),
+        ({"model": "gpt-9", "messages": CHAT}, 404, "model", "does not exist"),
+    ],
+)
+def test_bad_chat_bodies(serving_cluster, body, status, param, words) -> None:
+    with serving_cluster.http() as http:
+        resp = http.post("/v1/chat/completions", json=body)
+    assert resp.status_code == status, resp.text
+    err = _error(resp)
+    assert err["param"] == param and words in err["message"], err
+
+
+def test_malformed_json_and_wrong_types(serving_cluster) -> None:
+    with serving_cluster.http() as http:
+        resp = http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+        assert resp.status_code == 400 and "not valid JSON" in _error(resp)["message"]
+        resp = http.post("/v1/completions", content=b"[1, 2]", headers={"content-type": "application/json"})
+        assert resp.status_code == 400 and "JSON object" in _error(resp)["message"]
+        resp = http.post("/v1/completions", json={"model": MODEL, "prompt": [10**9]})
+        assert resp.status_code == 400 and "vocabulary" in _error(resp)["message"]
+        resp = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "echo": True})
+        assert resp.status_code == 400 and "echo" in _error(resp)["message"]
+        resp = http.post("/v1/completions", content=b"x" * (5 * 1024 * 1024), headers={"content-type": "application/json"})
+        assert resp.status_code == 413 and "limit" in _error(resp)["message"]
+
+
+def test_oversized_prompt_and_context(serving_cluster) -> None:
+    client = serving_cluster.client()
+    long_prompt = "hello " * 9000  # > the model's 8192-token context
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=4)
+    assert exc.value.status_code == 400 and "context" in exc.value.message
+    assert exc.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model=MODEL, prompt="hello " * 4000, max_tokens=4500)  # 8500 > 8192
+    assert "max_tokens" in exc.value.message or exc.value.body["param"] == "max_tokens"
+
+
+def test_openai_client_errors_then_still_serving(serving_cluster) -> None:
+    client = serving_cluster.client()
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-model", messages=CHAT, max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10**7)
+    assert "max_tokens" in exc.value.message
+    out = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, temperature=0)
+    assert out.choices[0].message.content is not None
+
+
+def test_api_key_enforced(serving_cluster) -> None:
+    with pytest.raises(openai.AuthenticationError):
+        serving_cluster.client(api_key="wrong").models.list()
+    resp = httpx.post(f"{serving_cluster.base_url}/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=10)
+    assert resp.status_code == 401 and _error(resp)["code"] == "invalid_api_key"
+    assert httpx.get(f"{serving_cluster.base_url}/health", timeout=10).status_code == 200  # health needs no key
+
+
+def test_disconnect_cancels_everywhere(serving_cluster) -> None:
+    coordinator = serving_cluster.coordinator
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 2000, "temperature": 0, "stream": True}
+    with serving_cluster.http() as http, http.stream("POST", "/v1/chat/completions", json=body) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        seen = 0
+        for line in lines:
+            if line.startswith("data: ") and json.loads(line[6:])["choices"]:
+                seen += 1
+            if seen >= 3:
+                break
+        assert coordinator.health_details()["running"] >= 1
+    # the client is gone: the coordinator drops the request and every agent frees its KV
+    serving_cluster.wait_until(lambda: coordinator.health_details()["running"] == 0, what="request cancelled")
+    serving_cluster.wait_until(
+        lambda: all(r.used_tokens == 0 and r.reserved_tokens == 0 for r in coordinator.io.kv_reports().values()),
+        what="agents freed the KV")
+    assert not coordinator.router.pipelines  # and the router released its reservation
