@@ -1,0 +1,65 @@
+"""``helix demo --serve``: serves a user's own openai client, and SIGTERM leaves no process behind."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from openai import OpenAI
+
+
+def _pids_with(text: str) -> set[int]:
+    """Live processes whose command line mentions ``text``."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = next((ln for ln in (entry / "status").read_text().splitlines() if ln.startswith("State:")), "")
+        except OSError:
+            continue
+        if text in cmdline and "Z" not in state.split(":", 1)[-1][:3]:
+            found.add(int(entry.name))
+    return found
+
+
+def test_demo_serve_then_sigterm_leaves_nothing() -> None:
+    env = {**os.environ, "COLUMNS": "200", "TERM": "dumb"}
+    demo = subprocess.Popen([sys.executable, "-m", "helix.cli", "demo", "--serve", "--port", "0", "--max-tokens", "4"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    output: list[str] = []
+    workdir = base_url = None
+    try:
+        deadline = time.monotonic() + 240
+        assert demo.stdout is not None
+        while base_url is None and time.monotonic() < deadline:
+            line = demo.stdout.readline()
+            if not line:
+                break
+            output.append(line)
+            workdir = workdir or (m.group(1) if (m := re.search(r"agent logs in (\S+)", line)) else None)
+            base_url = m.group(1) if (m := re.search(r"at (http://127\.0\.0\.1:\d+/v1)", line)) else None
+        assert base_url and workdir, "".join(output)
+        text = "".join(output)
+        assert "assistant:" in text and "pipeline:" in text and "placement" in text
+        agents = _pids_with(workdir)
+        assert len(agents) == 3, agents  # one `helix agent` per demo node
+
+        client = OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
+        out = client.chat.completions.create(model="smollm2-135m", max_tokens=2, temperature=0,
+                                             messages=[{"role": "user", "content": "Hello"}])
+        assert out.choices[0].message.content is not None
+
+        demo.send_signal(signal.SIGTERM)
+        assert demo.wait(timeout=60) == 0
+        assert not _pids_with(workdir)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
