@@ -111,6 +111,11 @@ def _highs_solver_class() -> type:
                         idx.append(var.index)
                         val.append(float(self.initial[var.name]))
                 lp.solverModel.setSolution(len(idx), np.array(idx, dtype=np.int32), np.array(val, dtype=np.float64))
+            # HiGHS refuses a thread count other than the one its process-wide scheduler was
+            # started with (e.g. by an earlier solve with threads=1): start a fresh scheduler.
+            import highspy
+
+            highspy.Highs.resetGlobalScheduler(True)
             lp.solverModel.run()
 
     return _HiGHSWarm
