@@ -69,11 +69,16 @@ def _throughput(measured: dict[str, Any], free_bytes: float, settings: MeasureSe
     k_max, kv = memory_limits(measured, free_bytes, min_kv_tokens_per_layer=settings.min_kv_tokens_per_layer)
     if k_max < 1:
         raise ConfigError(f"not enough free memory ({free_bytes / 1e9:.2f} GB) for one layer with its KV budget")
+    from node_agent.scheduler import SchedulerConfig
+
+    agent = SchedulerConfig()  # what `helix agent` runs with by default
     return ThroughputProfile(
         max_layers=k_max,
         prefill_ms_per_layer=[tuple(p) for p in measured["prefill_ms_per_layer"]],
         decode_ms_per_layer=[tuple(p) for p in measured["decode_ms_per_layer"]],
         kv_capacity_tokens_by_layers=kv,
+        prompt_max_tokens_by_layers=[agent.token_budget] * k_max,
+        decode_max_tokens_by_layers=[agent.max_batch_size] * k_max,
     )
 
 

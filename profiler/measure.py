@@ -32,10 +32,11 @@ from helix.errors import ConfigError
 log = logging.getLogger(__name__)
 
 MEMORY_UTILIZATION = 0.9
-DEFAULT_PREFILL_TOKENS = (16, 64, 128, 256)
+DEFAULT_PREFILL_TOKENS = (16, 64, 128, 256, 512)
 DEFAULT_DECODE_BATCHES = (1, 2, 4, 8, 16, 32)
 DEFAULT_CONTEXT_TOKENS = 64
 DEFAULT_MIN_KV_TOKENS_PER_LAYER = 65536
+MEASURE_VERSION = 2  # bump when what measure_device returns changes (invalidates caches)
 
 Progress = Callable[[str], None]
 
@@ -48,11 +49,12 @@ class MeasureSettings:
     prefill_tokens: tuple[int, ...] = DEFAULT_PREFILL_TOKENS
     decode_batches: tuple[int, ...] = DEFAULT_DECODE_BATCHES
     context_tokens: int = DEFAULT_CONTEXT_TOKENS
-    repeats: int = 3
+    repeats: int = 5
     min_kv_tokens_per_layer: int = DEFAULT_MIN_KV_TOKENS_PER_LAYER
 
     def key(self) -> dict[str, Any]:
         return {
+            "version": MEASURE_VERSION,
             "probe_layers": self.probe_layers,
             "prefill_tokens": list(self.prefill_tokens),
             "decode_batches": list(self.decode_batches),
@@ -100,44 +102,20 @@ def _median_ms(samples: list[float]) -> float:
     return round(statistics.median(samples) * 1000, 4)
 
 
-def measure_device(
-    model_dir: str | Path,
-    settings: MeasureSettings | None = None,
-    *,
-    progress: Progress | None = None,
-) -> dict[str, Any]:
-    """Per-layer prefill/decode curves of ``model_dir`` on this machine's engine (CPU, float32)."""
+def _step_curves(engine: Any, settings: MeasureSettings, note: Progress, label: str) -> tuple[list[float], list[float]]:
+    """Median step ms of ``engine`` for every prefill size and decode batch of ``settings``."""
     import torch
 
-    from node_agent.engine import StageEngine
     from node_agent.sampling import SamplingParams
-    from node_agent.scheduler import SchedulerConfig
 
-    s = settings or MeasureSettings()
-    torch.set_num_threads(1)
-    note = progress or (lambda _msg: None)
-    try:
-        from node_agent.config import load_config
-
-        config = load_config(model_dir)
-    except Exception as exc:  # noqa: BLE001 - EngineError or I/O: report as a config problem
-        raise ConfigError(f"cannot load the model for profiling: {exc}", source=str(model_dir)) from None
-    layers = max(1, min(s.probe_layers, config.num_layers - 1))
-    start = 1 if config.num_layers > layers else 0
-    max_batch = max(s.decode_batches)
-    budget = max(max(s.prefill_tokens), max_batch)
-    kv_tokens = max_batch * (s.context_tokens + 64) + max(s.prefill_tokens) * 2 + 1024
-    engine = StageEngine(
-        model_dir, start, start + layers, kv_capacity_tokens=kv_tokens,
-        scheduler=SchedulerConfig(max_batch_size=max_batch, token_budget=budget, chunk_size=None),
-    )
-    hidden = config.hidden_size
-    sampling = SamplingParams(max_tokens=64)
+    s = settings
+    hidden = engine.config.hidden_size
+    sampling = SamplingParams(max_tokens=s.repeats + 8)
     counter = iter(range(1 << 30))
 
     def add(tokens: int) -> str:
         rid = f"probe-{next(counter)}"
-        engine.add_request(rid, sampling, prompt_len=tokens, layer_range=(start, start + layers))
+        engine.add_request(rid, sampling, prompt_len=tokens)
         engine.push_hidden(rid, torch.randn(tokens, hidden))
         return rid
 
@@ -146,23 +124,21 @@ def measure_device(
         engine.step()
         return time.perf_counter() - t0
 
-    timed_step_warm = add(32)  # warm-up: first-call allocations
+    warm = add(32)  # warm-up: first-call allocations
     engine.step()
-    engine.cancel(timed_step_warm)
-
-    prefill: list[list[float]] = []
+    engine.cancel(warm)
+    prefill: list[float] = []
     for t in s.prefill_tokens:
-        note(f"prefill {t} tokens")
+        note(f"{label}: prefill {t} tokens")
         samples = []
         for _ in range(s.repeats):
             rid = add(t)
             samples.append(timed_step())
             engine.cancel(rid)
-        prefill.append([float(t), _median_ms(samples) / layers])
-
-    decode: list[list[float]] = []
+        prefill.append(_median_ms(samples))
+    decode: list[float] = []
     for b in s.decode_batches:
-        note(f"decode batch {b}")
+        note(f"{label}: decode batch {b}")
         rids = [add(s.context_tokens) for _ in range(b)]
         while any(engine.scheduler.running.get(r) is None or engine.scheduler.running[r].in_prefill for r in rids):
             engine.step()
@@ -173,18 +149,68 @@ def measure_device(
             samples.append(timed_step())
         for rid in rids:
             engine.cancel(rid)
-        decode.append([float(b), _median_ms(samples[1:]) / layers])
+        decode.append(_median_ms(samples[1:]))
+    return prefill, decode
 
-    weight_bytes = sum(p.numel() * p.element_size() for p in _layer_tensors(engine)) / layers
+
+def measure_device(
+    model_dir: str | Path,
+    settings: MeasureSettings | None = None,
+    *,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Per-layer prefill/decode curves of ``model_dir`` on this machine's engine (CPU, float32).
+
+    Two engines are timed: ``probe_layers`` middle layers (the per-layer cost) and the last
+    layer alone, which also runs the final norm, the LM head and sampling. That extra *head*
+    cost is spread over the model's layers (``head_ms / num_layers`` added to every point), so
+    a node holding the whole model is modelled exactly and a partial stage proportionally.
+    """
+    import torch
+
+    from node_agent.config import load_config
+    from node_agent.engine import StageEngine
+    from node_agent.scheduler import SchedulerConfig
+
+    s = settings or MeasureSettings()
+    torch.set_num_threads(1)
+    note = progress or (lambda _msg: None)
+    try:
+        config = load_config(model_dir)
+    except Exception as exc:  # noqa: BLE001 - EngineError or I/O: report as a config problem
+        raise ConfigError(f"cannot load the model for profiling: {exc}", source=str(model_dir)) from None
+    n = config.num_layers
+    if n < 3:
+        raise ConfigError(f"profiling needs a model with at least 3 layers, this one has {n}", source=str(model_dir))
+    layers = max(1, min(s.probe_layers, n - 2))
+    max_batch = max(s.decode_batches)
+    sched = SchedulerConfig(max_batch_size=max_batch, token_budget=max(max(s.prefill_tokens), max_batch),
+                            chunk_size=None)  # fmt: skip
+    kv_tokens = max_batch * (s.context_tokens + s.repeats + 16) + max(s.prefill_tokens) * 2 + 1024
+    middle = StageEngine(model_dir, 1, 1 + layers, kv_capacity_tokens=kv_tokens, scheduler=sched)
+    pre_mid, dec_mid = _step_curves(middle, s, note, f"layers 1-{layers}")
+    weight_bytes = sum(p.numel() * p.element_size() for p in _layer_tensors(middle)) / layers
+    del middle
+    last = StageEngine(model_dir, n - 1, n, kv_capacity_tokens=kv_tokens, scheduler=sched)
+    pre_last, dec_last = _step_curves(last, s, note, "last layer + LM head")
+    del last
+    pre_layer = [ms / layers for ms in pre_mid]
+    dec_layer = [ms / layers for ms in dec_mid]
+    pre_head = [max(0.0, a - b) for a, b in zip(pre_last, pre_layer, strict=True)]
+    dec_head = [max(0.0, a - b) for a, b in zip(dec_last, dec_layer, strict=True)]
     return {
-        "num_layers": config.num_layers,
+        "num_layers": n,
         "hidden_size": config.hidden_size,
         "dtype_bytes": 4,
         "layer_weight_bytes": float(weight_bytes),
         "kv_bytes_per_token_per_layer": float(config.kv_bytes_per_token_per_layer(4)),
-        "prefill_ms_per_layer": prefill,
-        "decode_ms_per_layer": decode,
-    }
+        "prefill_ms_per_layer": [[0.0, 0.0]] + [[float(t), round(ms + h / n, 4)] for t, ms, h
+                                                 in zip(s.prefill_tokens, pre_layer, pre_head, strict=True)],
+        "decode_ms_per_layer": [[0.0, 0.0]] + [[float(b), round(ms + h / n, 4)] for b, ms, h
+                                                in zip(s.decode_batches, dec_layer, dec_head, strict=True)],
+        "raw": {"prefill_layer_ms": pre_layer, "prefill_head_ms": pre_head,
+                "decode_layer_ms": dec_layer, "decode_head_ms": dec_head},
+    }  # fmt: skip
 
 
 def _layer_tensors(engine: Any) -> list[Any]:

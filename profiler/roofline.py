@@ -115,7 +115,11 @@ def model_profile(model: ModelShape) -> ModelProfile:
 
 
 def estimate_throughput(gpu: GpuSpec, model: ModelShape, roofline: Roofline | None = None) -> ThroughputProfile:
-    """Per-layer prefill/decode curves, KV capacity by layers held, and the layer limit."""
+    """Per-layer prefill/decode curves, KV capacity by layers held, and the layer limit.
+
+    Both curves start at ``(0, 0)`` (no work, no time), as the paper's measured curves do, so a
+    simulator interpolating them charges nothing for an absent phase.
+    """
     rl = roofline or Roofline()
     k_max = rl.max_layers(gpu, model)
     if k_max < 1:
@@ -125,8 +129,9 @@ def estimate_throughput(gpu: GpuSpec, model: ModelShape, roofline: Roofline | No
         )
     return ThroughputProfile(
         max_layers=k_max,
-        prefill_ms_per_layer=[(float(t), round(rl.prefill_ms(gpu, model, t), 4)) for t in PREFILL_BATCH_TOKENS],
-        decode_ms_per_layer=[(float(b), round(rl.decode_ms(gpu, model, b), 4)) for b in DECODE_BATCH_SIZES],
+        prefill_ms_per_layer=[(0.0, 0.0)]
+        + [(float(t), round(rl.prefill_ms(gpu, model, t), 4)) for t in PREFILL_BATCH_TOKENS],
+        decode_ms_per_layer=[(0.0, 0.0)] + [(float(b), round(rl.decode_ms(gpu, model, b), 4)) for b in DECODE_BATCH_SIZES],
         kv_capacity_tokens_by_layers=[round(rl.kv_capacity_tokens(gpu, model, k)) for k in range(1, k_max + 1)],
     )
 

@@ -37,8 +37,9 @@ def test_profile_demo_cluster_writes_loadable_profiles_and_links(demo: Path) -> 
     profiles = load_profiles_for(load_cluster(demo))  # the planner's loader accepts what we wrote
     tp = profiles.throughput("cpu", cluster.model)
     assert tp.tok_s is None and tp.prefill_ms_per_layer and tp.decode_ms_per_layer
-    assert [t for t, _ in tp.prefill_ms_per_layer] == [8.0, 32.0]
-    assert all(ms > 0 for _, ms in tp.prefill_ms_per_layer + tp.decode_ms_per_layer)
+    assert [t for t, _ in tp.prefill_ms_per_layer] == [0.0, 8.0, 32.0]
+    assert all(ms > 0 for t, ms in tp.prefill_ms_per_layer + tp.decode_ms_per_layer if t > 0)
+    assert tp.decode_max_tokens_by_layers and len(tp.decode_max_tokens_by_layers) == 30
     assert tp.max_layers == profiles.models[cluster.model].num_layers == 30
     table = tp.tok_s_table(profiles.models[cluster.model])
     assert len(table) == 30 and all(t > 0 for t in table)
