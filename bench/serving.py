@@ -1,0 +1,375 @@
+"""Serving bench: the coordinator's own ceiling, and the demo cluster end to end.
+
+(a) ``helix serve`` (a subprocess) in front of fake agents that answer instantly. The fakes speak
+    the real wire protocol (shared-secret handshake, heartbeats, ADMIT/CANCEL in, TOKENS out) and
+    emit one token per running request per loop turn, as fast as they can. Many concurrent
+    streaming clients (httpx, SSE) run against it: reports errors, the tokens/s the coordinator
+    delivered, and its CPU seconds per 1000 tokens.
+(b) The demo cluster end to end (3 SmolLM2-135M agents on loopback, planned by the planner, one
+    torch thread each, ``helix serve`` in front): time to first token and tokens/s under 1, 8 and
+    32 concurrent chat clients, beside one process running the same engine with all layers on
+    the same requests.
+
+    python bench/serving.py [--part a|b|all] [--concurrency 300] [--requests 600] [--max-tokens 32]
+
+The machine is shared (2 cores): absolute figures are noisy, the ratios less so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import secrets
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+DEMO_CLUSTER = REPO / "clusters" / "demo" / "cluster.yaml"
+PROMPTS = ["Write a short story about a lighthouse keeper.", "Explain why the sky is blue.",
+           "List some uses of a paperclip.", "Describe a walk in a forest in autumn."]
+
+
+# -- fake agents -----------------------------------------------------------------------------------
+
+
+def fake_agents_main(nodes: list[str], secret: bytes, token_ids: list[int], ready: mp.Queue, stop: mp.Event) -> None:
+    """Run one fake agent per node in this process (one loop over all their sockets)."""
+    import zmq
+
+    from helix import wire
+
+    ctx = zmq.Context()
+    agents = {}
+    for node in nodes:
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind("tcp://127.0.0.1:*")
+        agents[sock] = {"node": node, "coordinators": set(), "pending": {}}
+        ready.put((node, sock.getsockopt_string(zmq.LAST_ENDPOINT)))
+    pushers: dict[str, zmq.Socket] = {}
+    running: dict[str, list] = {}  # wire id -> [reply_to, step, max_tokens, node]
+    poller = zmq.Poller()
+    for sock in agents:
+        poller.register(sock, zmq.POLLIN)
+    next_hb = 0.0
+    while not stop.is_set():
+        for sock, _ in poller.poll(0 if running else 20):
+            state = agents[sock]
+            while True:
+                try:
+                    identity, *frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                msg = wire.decode(frames)
+                if isinstance(msg, wire.Hello):
+                    nonce = wire.make_nonce()
+                    state["pending"][identity] = (msg.nonce, nonce)
+                    proof = wire.prove(secret, "agent", msg.nonce, nonce)
+                    sock.send_multipart([identity, *wire.encode(wire.Challenge(state["node"], nonce, proof))])
+                elif isinstance(msg, wire.Auth):
+                    theirs, ours = state["pending"].pop(identity)
+                    if wire.verify(secret, msg.proof, "coordinator", ours, theirs):
+                        state["coordinators"].add(identity)
+                        sock.send_multipart([identity, *wire.encode(wire.Welcome(
+                            state["node"], 0, 30, 10**9, "tcp://127.0.0.1:1"))])
+                elif isinstance(msg, wire.Admit):
+                    running[msg.request_id] = [msg.reply_to, 0, msg.max_tokens, state["node"]]
+                elif isinstance(msg, wire.Cancel):
+                    running.pop(msg.request_id, None)
+        out: dict[tuple[str, str], list] = {}
+        for rid, r in list(running.items()):
+            reply_to, step, max_tokens, node = r
+            done = step + 1 >= max_tokens
+            out.setdefault((reply_to, node), []).append(
+                wire.TokenOut(rid, step, token_ids[step % len(token_ids)], done, "length" if done else ""))
+            r[1] += 1
+            if done:
+                del running[rid]
+        for (reply_to, node), tokens in out.items():
+            if reply_to not in pushers:
+                pushers[reply_to] = ctx.socket(zmq.PUSH)
+                pushers[reply_to].setsockopt(zmq.LINGER, 0)
+                pushers[reply_to].connect(reply_to)
+            pushers[reply_to].send_multipart(wire.encode(wire.Tokens(node, tuple(tokens))))
+        now = time.monotonic()
+        if now >= next_hb:
+            next_hb = now + 0.25
+            for sock, state in agents.items():
+                hb = wire.Heartbeat(state["node"], int(now * 4), 0, 0, 10**9, 0, len(running))
+                for identity in state["coordinators"]:
+                    sock.send_multipart([identity, *wire.encode(hb)])
+    ctx.destroy(linger=0)
+
+
+# -- coordinator subprocess and load generator ------------------------------------------------------
+
+
+def start_serve(cluster: Path, plan: Path, agents: dict[str, str], secret: str) -> tuple[subprocess.Popen, str]:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "helix.cli", "serve", "--cluster", str(cluster), "--plan", str(plan),
+           "--port", str(port), "--queue-bound", "4096"]
+    for node, address in agents.items():
+        cmd += ["--agent", f"{node}={address}"]
+    proc = subprocess.Popen(cmd, env={**os.environ, "HELIX_SECRET": secret}, stdout=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError(f"helix serve exited with {proc.returncode}")
+        time.sleep(0.2)
+    proc.terminate()
+    raise RuntimeError("helix serve did not become ready")
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class LoadResult:
+    requests: int = 0
+    errors: list[str] = field(default_factory=list)
+    tokens: int = 0
+    ttft_s: list[float] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s else 0.0
+
+    def ttft_ms(self, q: float) -> float:
+        if not self.ttft_s:
+            return float("nan")
+        xs = sorted(self.ttft_s)
+        return 1000 * xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+async def run_load(base: str, concurrency: int, total: int, max_tokens: int, *, chat: bool) -> LoadResult:
+    """``concurrency`` clients stream ``total`` requests in all; each client runs its share in turn."""
+    result = LoadResult()
+    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
+    queue = list(range(total))
+
+    async def one(client: httpx.AsyncClient, i: int) -> None:
+        prompt = PROMPTS[i % len(PROMPTS)]
+        body: dict = {"model": "smollm2-135m", "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                      "stream_options": {"include_usage": True}}
+        if chat:
+            body["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            body["prompt"] = prompt
+        t0 = time.monotonic()
+        first, done, tokens = None, False, 0
+        async with client.stream("POST", f"/v1/{'chat/' if chat else ''}completions", json=body) as resp:
+            if resp.status_code != 200:
+                result.errors.append(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
+                return
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    break
+                obj = json.loads(line[6:])
+                if "error" in obj:
+                    result.errors.append(obj["error"]["message"])
+                    return
+                choice = (obj.get("choices") or [{}])[0]
+                text = choice.get("delta", {}).get("content") if chat else choice.get("text")
+                if text and first is None:
+                    first = time.monotonic() - t0
+                if obj.get("usage"):
+                    tokens = obj["usage"]["completion_tokens"]
+        if not done:
+            result.errors.append("stream ended without [DONE]")
+            return
+        result.requests += 1
+        result.tokens += tokens
+        if first is not None:
+            result.ttft_s.append(first)
+
+    async def client_loop(client: httpx.AsyncClient) -> None:
+        while queue:
+            i = queue.pop()
+            try:
+                await one(client, i)
+            except httpx.HTTPError as exc:
+                result.errors.append(f"{type(exc).__name__}: {exc}")
+
+    async with httpx.AsyncClient(base_url=base, limits=limits, timeout=600) as client:
+        t0 = time.monotonic()
+        await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
+        result.wall_s = time.monotonic() - t0
+    return result
+
+
+# -- (a) coordinator ceiling -----------------------------------------------------------------------
+
+
+def part_a(concurrency: int, total: int, max_tokens: int) -> None:
+    from helix.profile import load_profiles_for
+    from helix.spec import load_cluster
+    from planner.api import finish_plan
+    from router.tokenizer import ChatTokenizer, ensure_tokenizer_dir
+
+    cluster = load_cluster(DEMO_CLUSTER)
+    workdir = Path(tempfile.mkdtemp(prefix="helix-bench-"))
+    plan_path = workdir / "plan.json"
+    finish_plan(cluster, load_profiles_for(cluster), {n.id: (0, 30) for n in cluster.nodes}, method="manual").save(plan_path)
+    token_ids = ChatTokenizer.from_dir(ensure_tokenizer_dir(None)).encode(" the quick brown fox jumps over the lazy dog")
+    secret = secrets.token_hex(8)
+    ready, stop = mp.Queue(), mp.Event()
+    fakes = mp.Process(target=fake_agents_main, args=([n.id for n in cluster.nodes], secret.encode(), token_ids,
+                                                      ready, stop), daemon=True)
+    fakes.start()
+    addresses = dict(ready.get(timeout=30) for _ in cluster.nodes)
+    serve, base = start_serve(DEMO_CLUSTER, plan_path, addresses, secret)
+    try:
+        asyncio.run(run_load(base, 8, 16, max_tokens, chat=False))  # warm-up
+        cpu0 = cpu_seconds(serve.pid)
+        res = asyncio.run(run_load(base, concurrency, total, max_tokens, chat=False))
+        cpu = cpu_seconds(serve.pid) - cpu0
+    finally:
+        serve.terminate()
+        serve.wait(timeout=20)
+        stop.set()
+        fakes.join(timeout=10)
+    print(f"\n(a) coordinator vs instant fake agents: {concurrency} concurrent streaming clients, {total} requests "
+          f"x {max_tokens} tokens")
+    print(f"    completed {res.requests}/{total}, errors {len(res.errors)}"
+          + (f" (first: {res.errors[0]})" if res.errors else ""))
+    print(f"    delivered {res.tok_s:,.0f} tokens/s ({res.tokens} tokens in {res.wall_s:.1f} s); coordinator CPU "
+          f"{cpu:.1f} s = {1000 * cpu / max(1, res.tokens):.2f} CPU-s per 1000 tokens "
+          f"(ceiling on one core ~{res.tokens / max(cpu, 1e-9):,.0f} tokens/s)")
+    print(f"    TTFT p50 {res.ttft_ms(0.5):.0f} ms, p99 {res.ttft_ms(0.99):.0f} ms")
+
+
+# -- (b) demo cluster end to end vs one engine process -------------------------------------------
+
+
+def plan_demo(workdir: Path) -> Path:
+    from helix.profile import load_profiles_for
+    from helix.spec import load_cluster
+    from planner.api import make_plan
+
+    cluster = load_cluster(DEMO_CLUSTER)
+    profiles = load_profiles_for(cluster)
+    try:
+        plan = make_plan(cluster, profiles, method="helix", time_limit_s=20, threads=1)
+    except Exception:  # noqa: BLE001 - method unavailable in this build
+        plan = make_plan(cluster, profiles, method="paper-milp", time_limit_s=20, threads=1)
+    path = workdir / "plan.json"
+    plan.save(path)
+    print(f"    demo plan ({plan.method}): {dict(plan.placement)}")
+    return path
+
+
+def engine_figures(levels: list[int], max_tokens: int) -> dict[int, LoadResult]:
+    """The same chat requests on one process holding all layers (node_agent.engine, 1 torch thread)."""
+    import torch
+
+    from node_agent.engine import StageEngine
+    from node_agent.gguf_convert import cached_model_dir
+    from node_agent.sampling import SamplingParams
+    from router.tokenizer import ChatTokenizer
+
+    torch.set_num_threads(1)
+    model_dir = cached_model_dir()
+    tok = ChatTokenizer.from_dir(model_dir)
+    engine = StageEngine(model_dir)
+    out: dict[int, LoadResult] = {}
+    stops = tuple(tok.eos_token_ids)
+    for level in levels:
+        total = max(level, 4)
+        res = LoadResult()
+        t0 = time.monotonic()
+        for wave in range(0, total, level):
+            start = time.monotonic()
+            first: dict[str, float] = {}
+            for i in range(wave, min(total, wave + level)):
+                ids = tok.encode_chat([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}])
+                engine.add_request(f"r{level}-{i}", SamplingParams(max_tokens=max_tokens, stop_token_ids=stops),
+                                   prompt_token_ids=ids)
+            while engine.has_unfinished:
+                for o in engine.step().outputs:
+                    if o.token is not None:
+                        res.tokens += 1
+                        first.setdefault(o.request_id, time.monotonic() - start)
+                        if o.finish_reason is not None:
+                            res.requests += 1
+            res.ttft_s += list(first.values())
+        res.wall_s = time.monotonic() - t0
+        out[level] = res
+    return out
+
+
+def part_b(levels: list[int], max_tokens: int) -> None:
+    from router.launch import AgentProcesses
+
+    print("\n(b) demo cluster end to end (3 agents + helix serve) vs one engine process")
+    workdir = Path(tempfile.mkdtemp(prefix="helix-bench-"))
+    plan = plan_demo(workdir)
+    secret = secrets.token_hex(8)
+    from helix.plan import load_plan
+
+    nodes = list(load_plan(plan).placement)
+    cluster_res: dict[int, LoadResult] = {}
+    with AgentProcesses(DEMO_CLUSTER, plan, workdir, secret=secret) as agents:
+        agents.start(nodes)
+        addresses = agents.wait_ready(timeout_s=300)
+        serve, base = start_serve(DEMO_CLUSTER, plan, addresses, secret)
+        try:
+            asyncio.run(run_load(base, 1, 1, 4, chat=True))  # warm-up
+            for level in levels:
+                cluster_res[level] = asyncio.run(run_load(base, level, max(level, 4), max_tokens, chat=True))
+        finally:
+            serve.terminate()
+            serve.wait(timeout=20)
+    engine_res = engine_figures(levels, max_tokens)
+    print(f"    {'clients':>7} | {'cluster tok/s':>13} {'TTFT p50':>9} {'TTFT p99':>9} {'errors':>6} | "
+          f"{'engine tok/s':>12} {'TTFT p50':>9} {'TTFT p99':>9} | {'ratio':>5}")
+    for level in levels:
+        c, e = cluster_res[level], engine_res[level]
+        print(f"    {level:>7} | {c.tok_s:>13.1f} {c.ttft_ms(0.5):>7.0f}ms {c.ttft_ms(0.99):>7.0f}ms {len(c.errors):>6} | "
+              f"{e.tok_s:>12.1f} {e.ttft_ms(0.5):>7.0f}ms {e.ttft_ms(0.99):>7.0f}ms | {c.tok_s / e.tok_s:>5.2f}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--part", choices=["a", "b", "all"], default="all")
+    p.add_argument("--concurrency", type=int, default=300)
+    p.add_argument("--requests", type=int, default=600)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--levels", default="1,8,32")
+    args = p.parse_args()
+    print(f"serving bench on {os.cpu_count()} cores (load average {os.getloadavg()[0]:.1f})")
+    if args.part in ("a", "all"):
+        part_a(args.concurrency, args.requests, args.max_tokens)
+    if args.part in ("b", "all"):
+        part_b([int(x) for x in args.levels.split(",")], args.max_tokens)
+    print(f"(mean load average during the run: {statistics.mean(os.getloadavg()):.1f})")
+
+
+if __name__ == "__main__":
+    main()
