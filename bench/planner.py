@@ -35,7 +35,7 @@ from helix.errors import HelixError  # noqa: E402
 from helix.plan import Plan  # noqa: E402
 from helix.profile import load_profiles_for  # noqa: E402
 from helix.spec import load_cluster  # noqa: E402
-from planner.api import evaluate_plan, load_checked_plan, make_plan  # noqa: E402
+from planner.api import evaluate_plan, load_checked_plan, make_plan, serving_estimate  # noqa: E402
 
 SINGLE24 = ROOT / "clusters" / "helix-paper-single24" / "cluster.yaml"
 PAPER_MILP = 1289.556
@@ -79,10 +79,14 @@ def run(label: str, cluster, profiles, **kw: Any) -> Plan | str:
             return f"{type(exc).__name__}: {exc.message}"
 
 
+CONTEXT: dict[str, Any] = {}
+
+
 def row(table: Table, name: str, plan: Plan | str, ref: float | None = None) -> None:
     if isinstance(plan, str):
-        table.add_row(name, "—", "—", "—", "—", "—", "—", plan[:60])
+        table.add_row(name, "—", "—", "—", "—", "—", "—", "—", plan[:60])
         return
+    est = serving_estimate(CONTEXT["cluster"], CONTEXT["profiles"], plan)
     st = plan.stats
     depth = f"{st.get('depth_min', 0):.0f} / {st.get('depth_mean', 0):.1f} / {st.get('depth_max', 0):.0f}"
     kv = st.get("kv_tokens_min_layer")
@@ -94,6 +98,7 @@ def row(table: Table, name: str, plan: Plan | str, ref: float | None = None) -> 
         ub,
         depth,
         f"{kv:,.0f}" if kv is not None else "—",
+        f"{est:.1f}" if est is not None else "—",
         f"{plan.wall_s:.1f}",
         f"{plan.status}" + (f" · bound: {(plan.bound_method or '').split(':')[0]}" if plan.method == "helix" else ""),
     )
@@ -101,7 +106,7 @@ def row(table: Table, name: str, plan: Plan | str, ref: float | None = None) -> 
 
 def new_table(title: str) -> Table:
     t = Table(title=title)
-    for col in ("placement", "max flow tok/s", "vs paper MILP", "upper bound", "depth min/mean/max", "min KV/layer (tokens)", "wall s", "status"):
+    for col in ("placement", "max flow tok/s", "vs paper MILP", "upper bound", "depth min/mean/max", "min KV/layer (tokens)", "est. decode tok/s", "wall s", "status"):
         t.add_column(col, justify="left" if col in ("placement", "status") else "right")
     return t
 
@@ -109,6 +114,7 @@ def new_table(title: str) -> Table:
 def bench_single24(threads: int, quick: bool) -> None:
     cluster = load_cluster(SINGLE24)
     profiles = load_profiles_for(cluster)
+    CONTEXT.update(cluster=cluster, profiles=profiles)
     limit = 20.0 if quick else 60.0
     table = new_table(f"single24 · LLaMA-2 70B · 24 nodes · {threads} threads (target >= {TARGET:.0f} tok/s in 60 s)")
     mf = run("helix --objective max-flow", cluster, profiles, method="helix", objective="max-flow", time_limit_s=limit, threads=threads)
@@ -190,6 +196,7 @@ def bench_synthetic(threads: int, quick: bool) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         cluster = load_cluster(synthetic_cluster(Path(tmp)))
         profiles = load_profiles_for(cluster)
+        CONTEXT.update(cluster=cluster, profiles=profiles)
         table = new_table("synthetic-100 · LLaMA-2 70B · 100 nodes (A100/V100/A10G/L4/T4) · 3 regions")
         baselines = {name: run(name, cluster, profiles, method=name) for name in ("petals", "swarm", "separate", "uniform")}
         t0 = time.monotonic()
@@ -197,7 +204,7 @@ def bench_synthetic(threads: int, quick: bool) -> None:
         ours = run("helix (100 nodes)", cluster, profiles, method="helix", objective="max-flow", time_limit_s=limit, threads=threads)
         wall = time.monotonic() - t0
         row(table, "helix --objective max-flow", ours)
-        ours_s = run("helix (100 nodes, serving)", cluster, profiles, method="helix", time_limit_s=limit, threads=threads)
+        ours_s = run("helix (100 nodes, serving)", cluster, profiles, method="helix", time_limit_s=limit / 2, threads=threads)
         row(table, "helix (default objective: serving)", ours_s)
         for name, plan in baselines.items():
             row(table, name, plan)

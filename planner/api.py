@@ -228,6 +228,21 @@ def _check_placement(cap: CapacityModel, placement: Placement, *, source: str) -
             raise ConfigError(f"range [{s}, {e}) is not valid for this node", source=source, field=f"placement.{node}")
 
 
+def serving_estimate(cluster: ClusterSpec, profiles: ProfileSet, plan: Plan) -> float | None:
+    """Decode tokens/s the optimizer's serving model estimates for a plan (None if unavailable)."""
+    try:
+        from planner.instance import Instance
+        from planner.serving_model import ServingModel
+    except ImportError:
+        return None
+    flows = {(e.src, e.dst): e.tok_s for e in plan.flows}
+    try:
+        est = ServingModel(Instance.build(cluster, profiles)).estimate(dict(plan.placement), flows, plan.max_flow_tok_s)
+    except Exception:  # noqa: BLE001 - an estimate beside the table, never a reason to fail
+        return None
+    return float(est.decode_tok_s)
+
+
 def load_checked_plan(path: str | Path, cluster: ClusterSpec, profiles: ProfileSet) -> Plan:
     """Read a plan file and check it against the cluster (unknown nodes, coverage, limits, flows)."""
     plan = load_plan(path)
@@ -262,4 +277,5 @@ __all__ = [
     "load_checked_plan",
     "make_plan",
     "network_free_bound",
+    "serving_estimate",
 ]

@@ -28,6 +28,7 @@ from planner.api import (
     finish_plan,
     load_checked_plan,
     make_plan,
+    serving_estimate,
 )
 from planner.graph import CapacityModel
 
@@ -180,7 +181,7 @@ def print_plan(console: Console, plan: Plan, cluster: ClusterSpec, profiles: Pro
 
 def print_compare(console: Console, plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, *, partial_handoffs: bool) -> None:
     table = Table(title="compared with the baselines")
-    for col in ("method", "max flow tok/s", "vs ours", "depth mean", "min KV/layer"):
+    for col in ("method", "max flow tok/s", "vs ours", "depth mean", "min KV/layer", "serving est. decode tok/s"):
         table.add_column(col, justify="left" if col == "method" else "right")
     rows = [(plan.method + " (this plan)", plan)]
     for name, placement in baseline_placements(cluster, profiles).items():
@@ -194,12 +195,13 @@ def print_compare(console: Console, plan: Plan, cluster: ClusterSpec, profiles: 
             f"{ratio:.2f}x",
             f"{p.stats.get('depth_mean', 0):.1f}",
             f"{kv:,.0f}" if kv is not None else "—",
+            f"{est:.1f}" if (est := serving_estimate(cluster, profiles, p)) is not None else "—",
         )
     from planner import baselines
 
     for name in baselines.BASELINES:
         if name not in {r[0] for r in rows}:
-            table.add_row(name, "infeasible", "—", "—", "—", style="dim")
+            table.add_row(name, "infeasible", "—", "—", "—", "—", style="dim")
     console.print(table)
 
 
