@@ -9,17 +9,22 @@ Sockets (all bound to loopback unless told otherwise):
 * outgoing PUSH sockets (one per peer): ACTIVATIONS to each request's next stage, TOKENS and
   REFUSED to the request's coordinator (``reply_to``).
 
-The loop is single-threaded (Orca's iteration-level execution): drain arrivals, run one engine
-step, forward what it produced, heartbeat when due. A bad message is rejected (ERROR to the
-sender on the control plane, a log line on the data plane) and the agent keeps serving.
+Two threads. The *I/O thread* (``run``) owns every socket: it decodes and validates messages,
+runs the handshake, sends heartbeats on time even while a long step runs, and sends what the
+engine produced. The *engine thread* owns the engine and all request state (Orca's
+iteration-level loop): apply arrivals, run one step, queue outgoing ACTIVATIONS/TOKENS/REFUSED,
+repeat; so communication overlaps computation. A bad message is rejected (ERROR to the sender on
+the control plane, a log line on the data plane) and the agent keeps serving everyone else.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
+import socket
+import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -116,6 +121,16 @@ class NodeAgent:
         self._stopping = False
         self._hb_seq = 0
         self.stats = _Stats()
+        # I/O thread -> engine thread: decoded messages (with the control identity, if any)
+        self._inbox: deque[tuple[bytes | None, wire.Message]] = deque()
+        self._work = threading.Event()
+        # engine thread -> I/O thread: (peer address or "" for the control socket, message)
+        self._outbox: deque[tuple[str, wire.Message]] = deque()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._kv = engine.kv_usage()
+        self._queues = (0, 0)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -125,32 +140,104 @@ class NodeAgent:
 
     def stop(self) -> None:
         self._stopping = True
+        self._work.set()
 
     def close(self) -> None:
         self.peers.close()
         self.control.close(linger=0)
         self.data.close(linger=0)
+        self._wake_r.close()
+        self._wake_w.close()
 
     def run(self) -> None:
+        """The I/O loop (call from the main thread); starts and joins the engine thread."""
+        engine_thread = threading.Thread(target=self._engine_loop, name="engine", daemon=True)
+        engine_thread.start()
         poller = zmq.Poller()
         poller.register(self.control, zmq.POLLIN)
         poller.register(self.data, zmq.POLLIN)
+        poller.register(self._wake_r.fileno(), zmq.POLLIN)
         next_hb = time.monotonic()
-        busy = False
         try:
-            while not self._stopping:
-                wait_ms = 0 if busy else max(0, int((next_hb - time.monotonic()) * 1000))
+            while not self._stopping and engine_thread.is_alive():
+                wait_ms = max(0, int((next_hb - time.monotonic()) * 1000))
                 ready = dict(poller.poll(min(wait_ms, 250)))
                 if self.control in ready:
                     self._drain(self.control, self._on_control_frames)
                 if self.data in ready:
                     self._drain(self.data, self._on_data_frames)
-                busy = self._step()
+                self._flush_outbox()
                 if time.monotonic() >= next_hb:
                     self._heartbeat()
                     next_hb = time.monotonic() + self.config.heartbeat_interval_s
         finally:
+            self.stop()
+            engine_thread.join(timeout=10)
             self.close()
+
+    def _flush_outbox(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+        while self._outbox:
+            address, msg = self._outbox.popleft()
+            if isinstance(msg, wire.Activations):
+                if not self.peers.send(address, msg):
+                    self._to_engine(None, wire.Cancel(msg.request_id, f"unreachable:{address}"))
+            elif address:
+                self.peers.send(address, msg)
+            else:
+                for identity in list(self._coordinators):
+                    self._send_control(identity, msg)
+
+    def _to_engine(self, identity: bytes | None, msg: wire.Message) -> None:
+        self._inbox.append((identity, msg))
+        self._work.set()
+
+    def _out(self, address: str, msg: wire.Message) -> None:  # engine thread
+        self._outbox.append((address, msg))
+        try:
+            self._wake_w.send(b"x")
+        except (BlockingIOError, OSError):
+            pass
+
+    def _engine_loop(self) -> None:
+        """Iteration-level loop: apply arrivals, run one step, queue what it produced."""
+        try:
+            while not self._stopping:
+                while self._inbox:
+                    identity, msg = self._inbox.popleft()
+                    try:
+                        self._apply(msg)
+                    except ProtocolError as exc:
+                        self._reject("engine", exc)
+                        if identity is not None:
+                            self._out("", wire.Error("protocol", exc.message))
+                busy = self._step()
+                sched = getattr(self.engine, "scheduler", None)
+                self._kv = self.engine.kv_usage()
+                if sched is not None:
+                    self._queues = (len(sched.waiting), len(sched.running))
+                if not busy:
+                    self._work.wait(0.05)
+                    self._work.clear()
+        except Exception:
+            log.exception("the engine failed; the agent stops")
+            raise
+        finally:
+            self._stopping = True
+
+    def _apply(self, msg: wire.Message) -> None:  # engine thread
+        if isinstance(msg, wire.Admit):
+            self._on_admit(msg)
+        elif isinstance(msg, wire.Step):
+            self._on_step(msg)
+        elif isinstance(msg, wire.Cancel):
+            self._on_cancel(msg)
+        elif isinstance(msg, wire.Activations):
+            self._on_activations(msg)
 
     def _drain(self, sock: zmq.Socket[Any], handle: Any) -> None:
         for _ in range(MAX_DRAIN):
@@ -170,12 +257,8 @@ class NodeAgent:
                 self._handshake(identity, msg)
             elif identity not in self._coordinators:
                 raise ProtocolError(f"{wire.KINDS[type(msg)]} before the handshake: send HELLO first")
-            elif isinstance(msg, wire.Admit):
-                self._on_admit(msg)
-            elif isinstance(msg, wire.Step):
-                self._on_step(msg)
-            elif isinstance(msg, wire.Cancel):
-                self._on_cancel(msg)
+            elif isinstance(msg, wire.Admit | wire.Step | wire.Cancel):
+                self._to_engine(identity, msg)
             else:
                 raise ProtocolError(f"{wire.KINDS[type(msg)]} is not accepted on an agent's control socket")
         except ProtocolError as exc:
@@ -202,7 +285,7 @@ class NodeAgent:
         self._coordinators[identity] = name
         start, end = self.engine.layer_start, self.engine.layer_end
         self._send_control(identity, wire.Welcome(self.config.node_id, start, end,
-                                                  self.engine.kv_usage().capacity_tokens, self.data_address))
+                                                  self._kv.capacity_tokens, self.data_address))
         log.info("coordinator %s authenticated", self._coordinators[identity])
 
     def _send_control(self, identity: bytes, msg: wire.Message) -> bool:
@@ -232,7 +315,11 @@ class NodeAgent:
         self.engine.push_token(msg.request_id, msg.token_id)
 
     def _on_cancel(self, msg: wire.Cancel) -> None:
-        self._forget(msg.request_id)
+        route = self._routes.get(msg.request_id)
+        if msg.reason.startswith("unreachable:") and route is not None:
+            self._refuse(msg.request_id, route, "unreachable", f"next stage at {msg.reason[12:]} is not reachable")
+        else:
+            self._forget(msg.request_id)
 
     def _forget(self, request_id: str) -> None:
         self.engine.cancel(request_id)
@@ -248,7 +335,7 @@ class NodeAgent:
             msg = wire.decode(frames, max_frame_bytes=self.config.max_frame_bytes)
             if not isinstance(msg, wire.Activations):
                 raise ProtocolError(f"{wire.KINDS[type(msg)]} is not accepted on an agent's data socket")
-            self._on_activations(msg)
+            self._to_engine(None, msg)
         except ProtocolError as exc:
             self._reject("data", exc)
 
@@ -296,12 +383,8 @@ class NodeAgent:
         self._forget(rid)
         self._reply(route.reply_to, wire.Refused(rid, self.config.node_id, code, reason))
 
-    def _reply(self, reply_to: str, msg: wire.Message) -> None:
-        if reply_to:
-            self.peers.send(reply_to, msg)
-            return
-        for identity in list(self._coordinators):
-            self._send_control(identity, msg)
+    def _reply(self, reply_to: str, msg: wire.Message) -> None:  # engine thread
+        self._out(reply_to, msg)
 
     def _step(self) -> bool:
         result = self.engine.step()
@@ -335,19 +418,13 @@ class NodeAgent:
             admit = wire.AdmitInfo(route.hop + 1, route.prompt_tokens, route.max_tokens, route.sampling,
                                    route.pipeline, route.reply_to)
         position, route.sent_tokens = route.sent_tokens, route.sent_tokens + shape[0]
-        msg = wire.Activations(rid, route.step, position, self.config.wire_dtype, shape, data, admit)
-        if self.peers.send(nxt.address, msg):
-            route.forwarded = True
-        else:
-            self._refuse(rid, route, "unreachable", f"next stage {nxt.node_id} at {nxt.address} is not reachable")
+        self._out(nxt.address, wire.Activations(rid, route.step, position, self.config.wire_dtype, shape, data, admit))
+        route.forwarded = True
 
     def _heartbeat(self) -> None:
         if not self._coordinators:
             return
-        usage = self.engine.kv_usage()
-        sched = getattr(self.engine, "scheduler", None)
-        waiting = len(sched.waiting) if sched is not None else 0
-        running = len(sched.running) if sched is not None else usage.num_requests
+        usage, (waiting, running) = self._kv, self._queues  # snapshots from the engine thread
         self._hb_seq += 1
         hb = wire.Heartbeat(self.config.node_id, self._hb_seq, usage.used_tokens, usage.reserved_tokens,
                             usage.capacity_tokens, waiting, running)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import socket
 import threading
 import time
@@ -122,6 +123,7 @@ class AgentsIO:
         self._flights: dict[str, _Flight] = {}  # by request_id
         self._by_wire: dict[str, _Flight] = {}
         self._attempts = itertools.count()
+        self._session = os.urandom(4).hex()  # wire ids stay unique across coordinator restarts
         self._lock = threading.Lock()
         self._inbox: deque[Callable[[], None]] = deque()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -196,7 +198,7 @@ class AgentsIO:
             stages = tuple(self._stage_ref(s) for s in getattr(pipeline, "stages", pipeline))
             if not stages:
                 raise NoRouteError("empty pipeline")
-            flight = _Flight(request_id, f"{request_id}@{next(self._attempts)}", stages, on_token)
+            flight = _Flight(request_id, f"{request_id}@{self._session}.{next(self._attempts)}", stages, on_token)
             self._flights[request_id] = flight
             self._by_wire[flight.wire_id] = flight
         admit = wire.Admit(flight.wire_id, tuple(prompt_ids), max_tokens, sampling, stages, self.reply_to)

@@ -1,0 +1,322 @@
+"""Node agents over real ZeroMQ on loopback, driven by the coordinator's AgentsIO.
+
+Agents run as subprocesses (``python -m node_agent``, one torch thread each) and are always
+terminated (SIGTERM, then SIGKILL) by the fixtures. SmolLM2-135M split over three agents must
+give exactly the greedy tokens of ``transformers``; bad input is rejected while the agents keep
+serving; KV refusals, start-up errors and agent death are reported clearly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+from helix import wire
+from router.agents_io import AgentsIO, TokenEvent
+from router.pipeline import Stage
+
+SECRET = "agent-test-secret"
+PROMPT_LENS = [5, 41, 17, 90, 3, 64, 33, 120, 8]
+NEW_TOKENS = 10
+GREEDY = wire.SamplingSpec()
+MAX_FRAME = 4 << 20
+
+
+@dataclass
+class Agent:
+    node: str
+    proc: subprocess.Popen[str]
+    control: str
+    data: str
+    log: Path
+
+    def log_text(self) -> str:
+        return self.log.read_text()
+
+
+def write_cluster(root: Path, placement: dict[str, tuple[int, int]]) -> tuple[Path, Path]:
+    nodes = "\n".join(f"  - {{id: {n}, gpu: CPU}}" for n in placement)
+    cluster = root / "cluster.yaml"
+    cluster.write_text(f"name: local\nmodel: test\nprofiles: p.yaml\nnodes:\n{nodes}\n"
+                       "defaults:\n  intra_region: {bandwidth_gbps: 10, latency_ms: 0.1}\n")
+    plan = root / "plan.json"
+    plan.write_text(json.dumps({"cluster": "local", "model": "test", "method": "manual", "max_flow_tok_s": 0,
+                                "placement": {n: list(r) for n, r in placement.items()}}))
+    return cluster, plan
+
+
+def start_agents(root: Path, model_dir: Path, placement: dict[str, tuple[int, int]],
+                 extra: dict[str, list[str]] | None = None, timeout_s: float = 90) -> dict[str, Agent]:
+    cluster, plan = write_cluster(root, placement)
+    env = {**os.environ, "HELIX_SECRET": SECRET, "OMP_NUM_THREADS": "1"}
+    agents: dict[str, Agent] = {}
+    try:
+        for node in placement:
+            log = root / f"{node}.log"
+            cmd = [sys.executable, "-m", "node_agent", "--cluster", str(cluster), "--plan", str(plan), "--node", node,
+                   "--model-dir", str(model_dir), "--chunk-size", "16", "--token-budget", "40", "--max-batch-size",
+                   "6", "--max-frame-bytes", str(MAX_FRAME), *(extra or {}).get(node, [])]
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log.open("w"), text=True, env=env)
+            agents[node] = Agent(node, proc, "", "", log)
+        deadline = time.monotonic() + timeout_s
+        for agent in agents.values():
+            line = _read_line(agent.proc, deadline)
+            match = re.search(r"control=(\S+) data=(\S+)", line)
+            assert match, f"agent {agent.node} did not start: {line!r}\n{agent.log_text()}"
+            agent.control, agent.data = match.groups()
+    except BaseException:
+        stop_agents(agents)
+        raise
+    return agents
+
+
+def _read_line(proc: subprocess.Popen[str], deadline: float) -> str:
+    assert proc.stdout is not None
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    while time.monotonic() < deadline:
+        if sel.select(timeout=0.2):
+            return proc.stdout.readline()
+        if proc.poll() is not None:
+            return ""
+    return ""
+
+
+def stop_agents(agents: dict[str, Agent]) -> dict[str, int | None]:
+    for agent in agents.values():
+        if agent.proc.poll() is None:
+            agent.proc.send_signal(signal.SIGTERM)
+    codes: dict[str, int | None] = {}
+    for agent in agents.values():
+        try:
+            codes[agent.node] = agent.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            agent.proc.kill()
+            agent.proc.wait()
+            codes[agent.node] = None
+    return codes
+
+
+def prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 49152, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(smollm2_hf: Any) -> list[list[int]]:
+    out = []
+    for prompt in prompts():
+        ids = smollm2_hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                  do_sample=False)
+        out.append(ids[0, len(prompt):].tolist())
+    return out
+
+
+@pytest.fixture(scope="module")
+def smol_agents(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Agent]]:
+    """a holds [0, 10), b holds [5, 20) (overlapping), c holds [20, 30) with a small KV (600 tokens)."""
+    agents = start_agents(tmp_path_factory.mktemp("smol"), smollm2_dir, {"a": (0, 10), "b": (5, 20), "c": (20, 30)},
+                          extra={"c": ["--kv-capacity-tokens", "600"]})
+    try:
+        yield agents
+    finally:
+        codes = stop_agents(agents)
+    assert codes == {"a": 0, "b": 0, "c": 0}, "agents must exit cleanly on SIGTERM"
+
+
+@pytest.fixture
+def coordinator(smol_agents: dict[str, Agent]) -> Iterator[AgentsIO]:
+    with AgentsIO({n: a.control for n, a in smol_agents.items()}, secret=SECRET.encode()) as io:
+        assert io.wait_ready(timeout_s=20), io.agents()
+        yield io
+
+
+def run(io: AgentsIO, work: list[tuple[list[int], list[Stage]]], *, max_tokens: int = NEW_TOKENS,
+        join_every_tokens: int = 3, timeout_s: float = 120) -> dict[int, list[TokenEvent]]:
+    """Submit request i once ``i * join_every_tokens`` tokens came back, so requests join mid-flight."""
+    events: queue.Queue[TokenEvent] = queue.Queue()
+    got: dict[int, list[TokenEvent]] = {i: [] for i in range(len(work))}
+    submitted = finished = received = 0
+    deadline = time.monotonic() + timeout_s
+    while finished < len(work):
+        while submitted < len(work) and received >= submitted * join_every_tokens:
+            prompt, pipeline = work[submitted]
+            io.submit(f"req-{submitted}", prompt, GREEDY, pipeline, max_tokens=max_tokens, on_token=events.put)
+            submitted += 1
+        event = events.get(timeout=max(0.1, deadline - time.monotonic()))
+        i = int(event.request_id.split("-")[1])
+        got[i].append(event)
+        received += event.token_id is not None
+        finished += event.finished
+    return got
+
+
+def tokens_of(got: dict[int, list[TokenEvent]]) -> list[list[int]]:
+    return [[e.token_id for e in got[i] if e.token_id is not None] for i in sorted(got)]
+
+
+SUB_RANGE = [Stage("a", 0, 10), Stage("b", 10, 20), Stage("c", 20, 30)]  # b holds [5, 20), runs [10, 20)
+OTHER_SPLIT = [Stage("a", 0, 5), Stage("b", 5, 20), Stage("c", 20, 30)]  # a runs half its layers
+
+
+def test_three_agents_match_transformers_greedy(coordinator: AgentsIO, hf_greedy: list[list[int]]) -> None:
+    got = run(coordinator, [(p, SUB_RANGE) for p in prompts()])
+    assert tokens_of(got) == hf_greedy
+    assert all(got[i][-1].finish_reason == "length" and got[i][-1].node_id == "c" for i in got)
+
+
+def test_partial_sub_ranges_on_both_overlapping_nodes(coordinator: AgentsIO, hf_greedy: list[list[int]]) -> None:
+    work = [(p, OTHER_SPLIT if i % 2 else SUB_RANGE) for i, p in enumerate(prompts()[:4])]
+    assert tokens_of(run(coordinator, work, join_every_tokens=1)) == hf_greedy[:4]
+
+
+def test_kv_is_freed_on_every_stage_after_requests_finish(coordinator: AgentsIO) -> None:
+    run(coordinator, [(prompts()[1], SUB_RANGE)], max_tokens=3)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        reports = coordinator.kv_reports()
+        if len(reports) == 3 and all(r.reserved_tokens == 0 and r.running == 0 for r in reports.values()):
+            break
+        time.sleep(0.05)
+    assert {n: r.reserved_tokens for n, r in coordinator.kv_reports().items()} == {"a": 0, "b": 0, "c": 0}
+    assert coordinator.kv_reports()["c"].capacity_tokens == 600
+
+
+def test_request_that_can_never_fit_is_refused_by_the_stage_that_cannot_hold_it(coordinator: AgentsIO) -> None:
+    got = run(coordinator, [(prompts()[1], SUB_RANGE)], max_tokens=700)[0]
+    assert len(got) == 1 and got[0].finished and got[0].error_code == "capacity" and got[0].node_id == "c"
+    assert "needs 741 KV tokens" in (got[0].error or "") and "holds only 600" in (got[0].error or "")
+    got = run(coordinator, [(prompts()[1], SUB_RANGE)], max_tokens=100_000)[0]
+    assert got[0].error_code == "capacity" and got[0].node_id == "a"
+
+
+def _raw_dealer(ctx: zmq.Context[Any], address: str) -> zmq.Socket[Any]:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    sock.connect(address)
+    return sock
+
+
+def _reply(sock: zmq.Socket[Any]) -> wire.Message:
+    return wire.decode(sock.recv_multipart())
+
+
+def test_bad_input_is_rejected_and_agents_keep_serving(smol_agents: dict[str, Agent], coordinator: AgentsIO,
+                                                       hf_greedy: list[list[int]]) -> None:
+    ctx = zmq.Context()
+    try:
+        sock = _raw_dealer(ctx, smol_agents["a"].control)
+        header = {"v": wire.PROTOCOL_VERSION, "k": "CANCEL", "request_id": "x"}
+        bad_control = {
+            "not valid msgpack": [b"\xc1\xc1\xc1"],
+            "protocol version 7": [msgpack.packb({**header, "v": 7})],
+            "unknown message kind 'FLY'": [msgpack.packb({**header, "k": "FLY"})],
+            "over the limit": [b"\x00" * (MAX_FRAME + 10)],
+            "CANCEL before the handshake": [msgpack.packb(header)],
+            "AUTH without a pending HELLO": wire.encode(wire.Auth(b"0" * 32)),
+        }
+        for fragment, frames in bad_control.items():
+            sock.send_multipart(frames)
+            reply = _reply(sock)
+            assert isinstance(reply, wire.Error) and fragment in reply.reason, (fragment, reply)
+        # a coordinator without the secret is never welcomed
+        sock.send_multipart(wire.encode(wire.Hello("impostor", wire.make_nonce())))
+        challenge = _reply(sock)
+        assert isinstance(challenge, wire.Challenge)
+        sock.send_multipart(wire.encode(wire.Auth(wire.prove(b"guess", "coordinator", challenge.nonce, b""))))
+        reply = _reply(sock)
+        assert isinstance(reply, wire.Error) and reply.code == "auth"
+        # garbage on the data plane: logged, nothing to answer
+        push = ctx.socket(zmq.PUSH)
+        push.connect(smol_agents["b"].data)
+        push.send_multipart([b"garbage"])
+        push.send_multipart(wire.encode(wire.Activations("ghost", 0, 0, "float32", (1, 3), b"\x00" * 12)))
+        push.send_multipart([msgpack.packb({**header, "v": 0})])
+        push.close(linger=5000)  # deliver before the context goes
+    finally:
+        ctx.destroy(linger=0)
+    assert tokens_of(run(coordinator, [(p, SUB_RANGE) for p in prompts()[:3]])) == hf_greedy[:3]
+    assert "rejected a data-plane message" in smol_agents["b"].log_text()
+    assert "rejected a control-plane message" in smol_agents["a"].log_text()
+
+
+def test_wrong_secret_coordinator_is_never_connected(smol_agents: dict[str, Agent]) -> None:
+    with AgentsIO({"a": smol_agents["a"].control}, secret=b"not-the-secret") as io:
+        assert not io.wait_ready(timeout_s=1.5)
+        assert "shared secret" in (io.agents()["a"].auth_error or "")
+
+
+def test_missing_weights_dir_is_reported_by_name(tmp_path: Path, smollm2_dir: Path) -> None:
+    cluster, plan = write_cluster(tmp_path, {"a": (0, 30)})
+    base = [sys.executable, "-m", "node_agent", "--cluster", str(cluster), "--plan", str(plan), "--node", "a"]
+    missing = tmp_path / "no-such-model"
+    out = subprocess.run([*base, "--model-dir", str(missing)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 5 and str(missing) in out.stderr and "not found" in out.stderr
+    empty = tmp_path / "empty-model"
+    empty.mkdir()
+    (empty / "config.json").write_text((smollm2_dir / "config.json").read_text())
+    out = subprocess.run([*base, "--model-dir", str(empty)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 5 and "no *.safetensors weights file" in out.stderr
+
+
+@pytest.fixture
+def tiny_model(tmp_path: Path) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=112, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "tiny")
+    return tmp_path / "tiny"
+
+
+def test_dead_agent_is_noticed_and_used_again_when_back(tmp_path: Path, tiny_model: Path) -> None:
+    agents = start_agents(tmp_path, tiny_model, {"a": (0, 2), "b": (2, 4)})
+    dead: queue.Queue[tuple[str, float]] = queue.Queue()
+    alive: queue.Queue[str] = queue.Queue()
+    try:
+        io = AgentsIO({n: a.control for n, a in agents.items()}, secret=SECRET.encode(), dead_after_s=1.0,
+                      on_agent_dead=lambda n: dead.put((n, time.monotonic())), on_agent_alive=lambda n, w: alive.put(n))
+        with io:
+            assert io.wait_ready(timeout_s=20)
+            pipeline = [Stage("a", 0, 2), Stage("b", 2, 4)]
+            events: queue.Queue[TokenEvent] = queue.Queue()
+            io.submit("long", [1, 2, 3], GREEDY, pipeline, max_tokens=400, on_token=events.put)
+            assert events.get(timeout=20).token_id is not None  # in flight
+            agents["b"].proc.kill()
+            killed_at = time.monotonic()
+            node, noticed_at = dead.get(timeout=10)
+            assert node == "b" and noticed_at - killed_at < 2.0
+            last = events.get(timeout=5)
+            while not last.finished:
+                last = events.get(timeout=5)
+            assert last.error_code == "agent_dead" and last.node_id == "b"
+            assert io.alive_nodes() == {"a"}
+            # the same node comes back on the same address: the coordinator handshakes again
+            while not alive.empty():
+                alive.get()
+            (tmp_path / "again").mkdir()
+            agents.update(start_agents(tmp_path / "again", tiny_model, {"b": (2, 4)},
+                                       extra={"b": ["--bind", agents["b"].control]}))
+            assert alive.get(timeout=20) == "b"
+            got = run(io, [([5, 6, 7], pipeline)], max_tokens=4)
+            assert len(tokens_of(got)[0]) == 4
+    finally:
+        stop_agents(agents)
