@@ -22,7 +22,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from planner.graph import evaluate, max_flow_value
+from planner.flows import balanced_flows
+from planner.graph import max_flow_value
 from planner.instance import Instance, Placement
 from planner.serving_model import ServingEstimate, ServingModel
 
@@ -73,11 +74,11 @@ class Evaluator:
             mf = low if self.coverage_exact else max_flow_value(self.inst.cap, pl, partial_handoffs=self.partial_handoffs)
             out = Scored(dict(pl), (round(mf, 6), -tight, soft), mf)
         else:
-            res = evaluate(self.inst.cap, pl, partial_handoffs=self.partial_handoffs, with_cut=False)
-            flows = {(e.src, e.dst): e.tok_s for e in res.flows}
+            value, edges = balanced_flows(self.inst.cap, pl, partial_handoffs=self.partial_handoffs)
+            flows = {(e.src, e.dst): e.tok_s for e in edges}
             assert self.serving_model is not None
-            est = self.serving_model.estimate(pl, flows, res.max_flow_tok_s)
-            out = Scored(dict(pl), (round(est.decode_tok_s, 3), round(res.max_flow_tok_s, 6), -tight), res.max_flow_tok_s, est)
+            est = self.serving_model.estimate(pl, flows, value)
+            out = Scored(dict(pl), (round(est.decode_tok_s, 3), round(value, 6), -tight), value, est)
         if len(self.cache) > 200_000:
             self.cache.clear()
         self.cache[k] = out

@@ -94,13 +94,15 @@ def stage_candidates(inst: Instance, *, deadline: float, lo: float, hi: float, s
         return out
     f_best, plan = best
     out.append(stages.to_placement(inst, plan))
-    if serving:
-        for frac in (1.0, 0.97, 0.93, 0.88, 0.82, 0.75, 0.66, 0.55):
+    if serving:  # the best stage plan of every depth from the shallowest possible to len(plan)
+        shallow = stages.solve_stages(inst, 1e-6, minimize="stages", time_limit_s=2.0)
+        depth_lo = len(shallow) if shallow else 1
+        for depth in range(depth_lo, len(plan)):
             if time.monotonic() >= deadline:
                 break
-            st = stages.solve_stages(inst, f_best * frac, minimize="stages", time_limit_s=2.0)
-            if st:
-                out.append(stages.to_placement(inst, st))
+            got = stages.best_stage_plan(inst, lo=0.0, hi=f_best, deadline=deadline, max_stages=depth, rel_tol=1e-3)
+            if got:
+                out.append(stages.to_placement(inst, got[1]))
     return out
 
 

@@ -45,10 +45,11 @@ MAX_PREFILL_BUSY = 0.9
 class Workload:
     prompt_tokens: float = 763.0
     output_tokens: float = 232.0
-    kv_watermark: float = 0.9
+    kv_watermark: float = 0.8  # the feeder admits while the fullest layer's KV is below this
     reserve_tokens: float | None = None  # KV reserved per request per layer; None = prompt + output
     prompt_counts_in_tok_s: bool = False  # True: T_i(k) caps prompt+decode tokens; False: decode only
     compute: str = "curves"
+    spread: float = 0.25  # 0: requests move as one convoy per node; 1: spread evenly over the round trip
     routing: str = "flows"  # "flows": split as the max-flow paths (IWRR); "free": LP picks paths  # "curves": node time from the latency curves when profiled; "tok_s": T_i(k)
     fixed_hop_ms: float = 0.0  # per-hop overhead not in the link latency (e.g. host copies)
 
@@ -135,6 +136,10 @@ class ServingModel:
     def link_s(self, a: str, b: str) -> float:
         lat = self.inst.latency_ms(a, b)
         return ((lat or 0.0) + self.w.fixed_hop_ms) / 1000.0
+
+    def transfer_s(self, a: str, b: str, tokens: float) -> float:
+        cap = self.inst.cap.activation_link_tok_s(a, b)
+        return tokens / cap if cap else 0.0
 
     # paths ---------------------------------------------------------------------------
 
@@ -229,6 +234,8 @@ class ServingModel:
                 ]
                 lat = self.link_s(coord, p[0]) + self.link_s(p[-1], coord)
                 lat += sum(self.link_s(a, b) for a, b in zip(p, p[1:], strict=False))
+                # the convoy crosses each hop as one message: batch x activation bytes / bandwidth
+                lat += sum(self.transfer_s(a, b, batch[a]) for a, b in zip(p, p[1:], strict=False))
                 pre = sum(self.prefill_s(n, lr) for n, lr in zip(p, r, strict=True)) + lat
                 wp = sum(hop) + lat
                 taus.append(wp + pre / w.output_tokens)
@@ -289,8 +296,11 @@ class ServingModel:
             fill = 1.0 if fill == float("inf") else max(1.0, fill)
             new_batch = {n: 1.0 for n in placement}
             for j, p in enumerate(paths):
-                for n in p:
-                    new_batch[n] += fill * n_p[j]
+                wp, hop = times[j]
+                for n, h in zip(p, hop, strict=True):
+                    # share of the node's in-flight requests that sit in one of its batches:
+                    # 1 for a single convoy, (time at node / round trip) for evenly spread ones
+                    new_batch[n] += fill * n_p[j] * (h / max(wp, 1e-9)) ** w.spread
             batch = {n: max(1.0, 0.5 * batch[n] + 0.5 * new_batch[n]) for n in placement}
             new_busy = {n: 0.0 for n in placement}
             for j, p in enumerate(paths):
