@@ -24,9 +24,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from helix.errors import InfeasiblePlanError
+from helix.plan import FlowEdge
 from helix.profile import ProfileSet
 from helix.spec import ClusterSpec
 from planner import bounds, stages
+from planner.flows import balanced_flows
 from planner.highs_model import highs_version
 from planner.instance import Instance, Placement
 from planner.local_search import Evaluator, Scored, improve
@@ -53,6 +55,7 @@ class OptimizeResult:
     solver: str
     score: dict[str, float] = field(default_factory=dict)
     stats: dict[str, Any] = field(default_factory=dict)
+    flows: list[FlowEdge] = field(default_factory=list)  # balanced max flow: use as the plan's flows
 
 
 def _reporter(on_progress: Callable[..., None] | None, t0: float) -> Callable[[float | None, float | None, str], None]:
@@ -219,7 +222,9 @@ def optimize(
         "wall_s": round(time.monotonic() - t0, 3),
         "serving_binding": best.serving.binding if best.serving is not None else None,
     }
+    _, flows = balanced_flows(inst.cap, best.placement, partial_handoffs=partial_handoffs, value=mf)
     return OptimizeResult(
+        flows=flows,
         placement=dict(sorted(best.placement.items())),
         max_flow_tok_s=mf,
         upper_bound_tok_s=final_bound.tok_s,
