@@ -49,7 +49,8 @@ class Workload:
     reserve_tokens: float | None = None  # KV reserved per request per layer; None = prompt + output
     prompt_counts_in_tok_s: bool = False  # True: T_i(k) caps prompt+decode tokens; False: decode only
     compute: str = "curves"
-    spread: float = 0.25  # 0: requests move as one convoy per node; 1: spread evenly over the round trip
+    mixed_batches: bool = True  # iterations mix prefill and decode tokens (else: prefill inflation)
+    spread: float = 0.35  # 0: requests move as one convoy per node; 1: spread evenly over the round trip
     routing: str = "flows"  # "flows": split as the max-flow paths (IWRR); "free": LP picks paths  # "curves": node time from the latency curves when profiled; "tok_s": T_i(k)
     fixed_hop_ms: float = 0.0  # per-hop overhead not in the link latency (e.g. host copies)
 
@@ -125,7 +126,11 @@ class ServingModel:
             return batch / g.tok_s[layers_run - 1]
         cap = float(g.decode_max_batch[layers_run - 1]) if g.decode_max_batch else batch
         steps = math.ceil(batch / cap - 1e-9)  # a batch above the node's decode limit takes several steps
-        return steps * layers_run * interp(g.decode_ms, batch / steps) / 1000.0
+        per_step = interp(g.decode_ms, batch / steps)
+        if self.w.mixed_batches and g.prefill_ms is not None:
+            # in steady state every iteration also carries prompt tokens in the workload's ratio
+            per_step += interp(g.prefill_ms, batch / steps * self.w.prompt_tokens / self.w.output_tokens)
+        return steps * layers_run * per_step / 1000.0
 
     def prefill_s(self, node: str, layers_run: int) -> float:
         g = self.inst.gpus[self.inst.gpu_of[node]]
@@ -230,7 +235,8 @@ class ServingModel:
             for p, r in zip(paths, runs, strict=True):
                 # a decode step waits for the whole iteration, prefill chunks included
                 hop = [
-                    self.decode_s(n, lr, batch[n]) / (1.0 - busy_prefill[n]) for n, lr in zip(p, r, strict=True)
+                    self.decode_s(n, lr, batch[n]) / (1.0 - (0.0 if w.mixed_batches else busy_prefill[n]))
+                    for n, lr in zip(p, r, strict=True)
                 ]
                 lat = self.link_s(coord, p[0]) + self.link_s(p[-1], coord)
                 lat += sum(self.link_s(a, b) for a, b in zip(p, p[1:], strict=False))
