@@ -24,7 +24,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from helix.errors import HelixError, OverloadedError, RequestError
-from router.coordinator import Coordinator, Finish, GenerationRequest, RequestHandle
+from router.coordinator import Coordinator
 from router.openai_schema import (
     DEFAULT_MAX_TOKENS,
     AssistantMessage,
@@ -47,6 +47,7 @@ from router.openai_schema import (
     now_s,
 )
 from router.pipeline import Pipeline
+from router.request_state import Finish, GenerationRequest, RequestHandle
 
 log = logging.getLogger(__name__)
 

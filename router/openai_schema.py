@@ -33,7 +33,7 @@ class _Request(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     n: int = 1
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     logprobs: Any = None

@@ -13,8 +13,9 @@ import pytest
 
 from helix.errors import CapacityError, NoRouteError, OverloadedError
 from router.agents_io import TokenEvent
-from router.coordinator import Coordinator, Finish, GenerationRequest
+from router.coordinator import Coordinator
 from router.policy import Router
+from router.request_state import Finish, GenerationRequest
 from router.tokenizer import ChatTokenizer, ensure_tokenizer_dir
 
 REPO = Path(__file__).resolve().parents[2]

@@ -28,6 +28,8 @@ def _error(resp: httpx.Response) -> dict:
         ({"model": MODEL, "messages": CHAT, "n": 3}, 400, "n", "n=1"),
         ({"model": MODEL, "messages": CHAT, "temperature": 7}, 400, "temperature", "less than or equal to 2"),
         ({"model": MODEL, "messages": CHAT, "top_p": "high"}, 400, "top_p", "valid number"),
+        ({"model": MODEL, "messages": CHAT, "seed": -1}, 400, "seed", "greater than or equal to 0"),
+        ({"model": MODEL, "messages": CHAT, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "at most 4"),
         ({"model": MODEL, "messages": []}, 400, "messages", "at least 1"),
         ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages", "role"),
         ({"messages": CHAT}, 400, "model", "Field required"),
