@@ -1,0 +1,96 @@
+"""The serving objective, balanced flows and the coverage relaxation on single24."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from helix.profile import ProfileSet
+from helix.spec import ClusterSpec
+from planner import stages
+from planner.flows import balanced_flows
+from planner.graph import CapacityModel, check_flows, evaluate, max_flow_value
+from planner.instance import Instance
+from planner.optimize import optimize
+from planner.serving_model import ServingModel
+
+REFERENCE = Path(__file__).resolve().parents[2] / "clusters" / "helix-paper-single24" / "reference"
+
+
+def reference(name: str) -> dict[str, tuple[int, int]]:
+    return {n: (r[0], r[1]) for n, r in json.loads((REFERENCE / f"{name}.json").read_text())["placement"].items()}
+
+
+def serving_score(inst: Instance, placement: dict[str, tuple[int, int]]) -> float:
+    value, flows = balanced_flows(inst.cap, placement)
+    est = ServingModel(inst).estimate(placement, {(e.src, e.dst): e.tok_s for e in flows}, value)
+    return est.decode_tok_s
+
+
+def test_min_layer_coverage_is_the_max_flow_with_fast_links(single24: tuple[ClusterSpec, ProfileSet]) -> None:
+    inst = Instance.build(*single24)
+    rng = random.Random(7)
+    checked = 0
+    for _ in range(60):
+        nodes = inst.nodes[:]
+        rng.shuffle(nodes)
+        pl: dict[str, tuple[int, int]] = {}
+        pos = 0
+        for node in nodes:  # one random chain covering [0, 80), then the rest anywhere
+            k = rng.randint(1, inst.max_layers(node))
+            if pos < 80:
+                k = min(k, 80 - pos)
+                pl[node] = (pos, pos + k)
+                pos += k
+            else:
+                s = rng.randint(0, 80 - k)
+                pl[node] = (s, s + k)
+        if pos < 80:
+            continue
+        checked += 1
+        assert max_flow_value(inst.cap, pl) == pytest.approx(inst.coverage_min(pl), rel=1e-9)
+    assert checked >= 30
+
+
+def test_balanced_flows_use_every_parallel_node(single24: tuple[ClusterSpec, ProfileSet]) -> None:
+    inst = Instance.build(*single24)
+    plan = stages.solve_stages(inst, 1300.0, minimize="stages")
+    assert plan is not None
+    pl = stages.to_placement(inst, plan)
+    value, flows = balanced_flows(inst.cap, pl)
+    assert value == pytest.approx(evaluate(inst.cap, pl, with_cut=False).max_flow_tok_s, rel=1e-6)
+    check_flows(inst.cap, pl, flows)
+    through: dict[str, float] = {}
+    for e in flows:
+        if e.dst != inst.coordinator:
+            through[e.dst] = through.get(e.dst, 0.0) + e.tok_s
+    assert set(through) == set(pl)  # nobody idle
+    for group in {r: [n for n in pl if pl[n] == r] for r in pl.values()}.values():
+        utils = [through[n] / inst.node_tok_s(n, pl[n][1] - pl[n][0]) for n in group]
+        assert max(utils) - min(utils) < 1e-3  # interchangeable nodes share load evenly
+
+
+def test_serving_model_prefers_the_papers_plan_to_a_deep_pipeline(single24: tuple[ClusterSpec, ProfileSet]) -> None:
+    inst = Instance.build(*single24)
+    deep_plan = stages.solve_stages(inst, 2045.6, minimize="nodes")
+    assert deep_plan is not None and len(deep_plan) >= 20
+    deep = stages.to_placement(inst, deep_plan)
+    assert max_flow_value(inst.cap, deep) > 1.5 * max_flow_value(inst.cap, reference("milp"))
+    assert serving_score(inst, reference("milp")) > serving_score(inst, deep)
+    assert serving_score(inst, reference("milp")) > serving_score(inst, reference("swarm"))
+
+
+def test_serving_objective_beats_the_papers_plan(single24: tuple[ClusterSpec, ProfileSet]) -> None:
+    cluster, profiles = single24
+    inst = Instance.build(cluster, profiles)
+    res = optimize(cluster, profiles, objective="serving", time_limit_s=15, seed=0)
+    paper = serving_score(inst, reference("milp"))
+    assert res.score["decode_tok_s"] >= 1.2 * paper
+    assert res.score["mean_hops"] < 20  # a moderately deep pipeline
+    assert res.max_flow_tok_s <= res.upper_bound_tok_s * (1 + 1e-9)
+    cap = CapacityModel.build(cluster, profiles)
+    check_flows(cap, res.placement, res.flows)
+    assert sum(e.tok_s for e in res.flows if e.src == cluster.coordinator.id) == pytest.approx(res.max_flow_tok_s, rel=1e-5)
