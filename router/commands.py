@@ -44,6 +44,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens-cap", type=int, default=2048, help="largest max_tokens a request may ask for")
     p.add_argument("--queue-bound", type=int, default=256, help="requests that may wait for a route before 429")
     p.add_argument("--watermark", type=float, default=0.85, help="KV high watermark (fraction of capacity)")
+    p.add_argument("--dead-after-s", type=float, default=1.8,
+                   help="an agent silent this long is dead and its requests move (agents heartbeat every 0.25 s)")
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -105,7 +107,8 @@ def run_serve(args: argparse.Namespace) -> int:
         log.warning("serving on %s without API keys: anyone who can reach it can use it", args.host)
     coordinator = build_coordinator(cluster, plan, profiles, _options(args, args.served_model_name))
     app = create_server_app(coordinator, agent_addresses(cluster, plan, overrides),
-                            secret=os.environ.get(args.secret_env, "").encode(), api_keys=keys)
+                            secret=os.environ.get(args.secret_env, "").encode(), api_keys=keys,
+                            dead_after_s=args.dead_after_s)
     server: Any = make_server(app, args.host, args.port)
     print(f"Helix coordinator for {cluster.name} ({plan.model}) at http://{args.host}:{args.port}/v1", flush=True)
     asyncio.run(server.serve())
@@ -181,7 +184,7 @@ def _serve_demo(console: Any, args: argparse.Namespace, cluster: Any, plan: Any,
 
     keys = _api_keys(args)
     coordinator = build_coordinator(cluster, plan, profiles, _options(args))
-    app = create_server_app(coordinator, addresses, secret=secret, api_keys=keys)
+    app = create_server_app(coordinator, addresses, secret=secret, api_keys=keys, dead_after_s=args.dead_after_s)
     server: Any = make_server(app, "127.0.0.1", args.port)
 
     async def main() -> None:

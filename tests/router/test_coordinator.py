@@ -131,3 +131,30 @@ def test_stop_string_and_eos_end_the_request() -> None:
         assert "".join(e for e in events if isinstance(e, str)) == "ok" and events[-1].reason == "stop"
 
     asyncio.run(scenario())
+
+
+def test_http_429_with_retry_after_when_the_queue_is_full() -> None:
+    import httpx
+
+    from router.app import create_app
+
+    async def scenario() -> None:
+        coord, io = _coordinator(kv_entries=20 * 30)
+        app = create_app(coord)
+        body = {"model": "m", "prompt": list(range(1, 11)), "max_tokens": 10}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            held = [asyncio.ensure_future(client.post("/v1/completions", json=body)) for _ in range(3)]
+            await asyncio.sleep(0.2)  # two running (the fake agents never answer), one waiting
+            assert coord.health_details()["running"] == 2 and coord.health_details()["waiting"] == 1
+            resp = await client.post("/v1/completions", json=body)
+            assert resp.status_code == 429 and int(resp.headers["retry-after"]) >= 1
+            assert resp.json()["error"]["type"] == "rate_limit_error"
+            for wire_id in list(io.submitted):
+                io.emit(wire_id, 42, finished=True)
+            await asyncio.sleep(0.1)
+            for wire_id in list(io.submitted)[2:]:
+                io.emit(wire_id, 42, finished=True)
+            done = await asyncio.wait_for(asyncio.gather(*held), 5)
+            assert [r.status_code for r in done] == [200, 200, 200]
+
+    asyncio.run(scenario())
