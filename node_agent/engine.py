@@ -104,7 +104,7 @@ class StageEngine:
 
     def push_hidden(self, request_id: str, hidden: torch.Tensor) -> None:
         """Hidden states ``[n, hidden_size]`` from the previous stage for the request's next n tokens."""
-        req = self._requests[request_id]
+        req = self._request(request_id)
         if req.layer_start == 0:
             raise RequestError(f"request {request_id!r} starts at layer 0: push tokens, not hidden states")
         if hidden.ndim != 2 or hidden.shape[1] != self.config.hidden_size:
@@ -116,11 +116,16 @@ class StageEngine:
 
     def push_token(self, request_id: str, token_id: int) -> None:
         """The token sampled for ``request_id`` (by the last stage) to decode next."""
-        req = self._requests[request_id]
+        req = self._request(request_id)
         if req.layer_start != 0:
             raise RequestError(f"request {request_id!r} does not start at layer 0: push hidden states")
         req.pending_ids.append(token_id)
         self.scheduler.add_input(request_id, 1)
+
+    def _request(self, request_id: str) -> _Request:
+        if request_id not in self._requests:
+            raise RequestError(f"unknown request {request_id!r} on stage [{self.layer_start}, {self.layer_end})")
+        return self._requests[request_id]
 
     def cancel(self, request_id: str) -> None:
         """Forget a request (finished elsewhere, aborted) and free its KV. Unknown ids are ignored."""

@@ -82,3 +82,10 @@ def test_bad_request_shapes(tiny_llama: tuple[Path, Any]) -> None:
         engine.push_hidden("r", torch.zeros(3, 5))
     with pytest.raises(EngineError, match="layer range"):
         StageEngine(tiny_llama[0], 2, 9)
+
+
+def test_unknown_request_is_a_request_error(tiny_llama: tuple[Path, Any]) -> None:
+    engine = StageEngine(tiny_llama[0])
+    with pytest.raises(RequestError, match="unknown request 'ghost'"):
+        engine.push_token("ghost", 3)
+    engine.cancel("ghost")  # cancelling twice / late is harmless
