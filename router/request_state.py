@@ -21,7 +21,7 @@ from router.tokenizer import IncrementalDetokenizer
 if TYPE_CHECKING:
     from router.coordinator import Coordinator
 
-STALL_TIMEOUT_S = 120.0
+STALL_TIMEOUT_S = 300.0  # a safety net for lost messages; long prefills on a busy CPU are slow
 
 
 @dataclass(frozen=True, slots=True)
