@@ -29,7 +29,7 @@ import hashlib
 import hmac
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -318,7 +318,7 @@ class _Fields:
         return v
 
     def int_(self, name: str, default: Any = ..., *, lo: int = 0, hi: int = 2**62) -> int:
-        return _int(self.get(name, default), lo, hi, lambda what: self.fail(name, what))
+        return _int(self.get(name, default), lo, hi, self, name)
 
     def bytes_(self, name: str, size: int | None = None) -> bytes:
         v = self.get(name)
@@ -337,9 +337,9 @@ def _show(v: Any) -> str:
     return f"{type(v).__name__} {text[:40]}{'...' if len(text) > 40 else ''}"
 
 
-def _int(v: Any, lo: int, hi: int, fail: Callable[[str], ProtocolError]) -> int:
+def _int(v: Any, lo: int, hi: int, f: _Fields, name: str) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise fail(f"expected an integer in [{lo}, {hi}], got {_show(v)}")
+        raise f.fail(name, f"expected an integer in [{lo}, {hi}], got {_show(v)}")
     return v
 
 
@@ -353,7 +353,7 @@ def _token_ids(f: _Fields, name: str, v: Any, *, non_empty: bool = False) -> tup
     items = _list(f, name, v)
     if non_empty and not items:
         raise f.fail(name, "must not be empty")
-    return tuple(_int(t, 0, MAX_TOKEN_ID, lambda w, i=i: f.fail(f"{name}[{i}]", w)) for i, t in enumerate(items))
+    return tuple(_int(t, 0, MAX_TOKEN_ID, f, f"{name}[{i}]") for i, t in enumerate(items))
 
 
 def _float(f: _Fields, name: str, v: Any, lo: float, hi: float) -> float:
@@ -369,7 +369,7 @@ def _decode_sampling(f: _Fields, name: str, v: Any) -> SamplingSpec:
     s.used.clear()
     seed = s.get("seed", None)
     if seed is not None:
-        seed = _int(seed, 0, 2**63 - 1, lambda w: s.fail("seed", w))
+        seed = _int(seed, 0, 2**63 - 1, s, "seed")
     out = SamplingSpec(
         temperature=_float(s, "temperature", s.get("temperature", 0.0), 0.0, 100.0),
         top_k=s.int_("top_k", 0, hi=MAX_TOKEN_ID),
@@ -385,7 +385,7 @@ def _decode_pipeline(f: _Fields, name: str, v: Any) -> tuple[StageRef, ...]:
     items = _list(f, name, v, max_len=4096)
     if not items:
         raise f.fail(name, "a pipeline needs at least one stage")
-    stages = []
+    stages: list[StageRef] = []
     for i, item in enumerate(items):
         where = f"{name}[{i}]"
         if not isinstance(item, list) or len(item) != 4:
@@ -393,8 +393,8 @@ def _decode_pipeline(f: _Fields, name: str, v: Any) -> tuple[StageRef, ...]:
         node, start, end, address = item
         if not isinstance(node, str) or not node or len(node) > MAX_ID_CHARS or not isinstance(address, str):
             raise f.fail(where, "node_id must be a non-empty string and address a string")
-        start = _int(start, 0, 1 << 20, lambda w, where=where: f.fail(where, w))
-        end = _int(end, start + 1, 1 << 20, lambda w, where=where: f.fail(where, f"layer_end: {w}"))
+        start = _int(start, 0, 1 << 20, f, f"{where}.layer_start")
+        end = _int(end, start + 1, 1 << 20, f, f"{where}.layer_end")
         if stages and start != stages[-1].layer_end:
             raise f.fail(where, f"starts at layer {start} but the previous stage ends at {stages[-1].layer_end}")
         stages.append(StageRef(node, start, end, address))
@@ -484,8 +484,8 @@ def _decode_body(f: _Fields, payload: Sequence[memoryview]) -> Message:
             rid, step, tok, fin, why = t
             if not isinstance(rid, str) or not rid or not isinstance(fin, bool) or not isinstance(why, str):
                 raise f.fail(where, "request_id must be a non-empty string, finished a bool, finish_reason a string")
-            outs.append(TokenOut(rid, _int(step, 0, 2**62, lambda w, where=where: f.fail(where, w)),
-                                 _int(tok, 0, MAX_TOKEN_ID, lambda w, where=where: f.fail(where, w)), fin, why))  # fmt: skip
+            outs.append(TokenOut(rid, _int(step, 0, 2**62, f, f"{where}.step"),
+                                 _int(tok, 0, MAX_TOKEN_ID, f, f"{where}.token_id"), fin, why))  # fmt: skip
         return Tokens(f.str_("node_id"), tuple(outs))
     raise ProtocolError(f"unknown message kind {k!r} (known: {', '.join(KINDS.values())})")
 

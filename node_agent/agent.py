@@ -131,6 +131,7 @@ class NodeAgent:
         self._wake_w.setblocking(False)
         self._kv = engine.kv_usage()
         self._queues = (0, 0)
+        self.failed = False  # the engine thread died with an exception
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -225,6 +226,7 @@ class NodeAgent:
                     self._work.clear()
         except Exception:
             log.exception("the engine failed; the agent stops")
+            self.failed = True
             raise
         finally:
             self._stopping = True

@@ -100,7 +100,7 @@ def serve_agent(*, node_id: str, layer_start: int, layer_end: int, model_dir: st
     agent.run()
     log.info("agent %s stopped (%d steps, %d tokens, %d rejected)", node_id, agent.stats.steps,
              agent.stats.tokens, agent.stats.rejected)
-    return 0
+    return 1 if agent.failed else 0
 
 
 def main(argv: list[str] | None = None) -> int:

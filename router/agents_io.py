@@ -20,6 +20,7 @@ asyncio loop. All public methods are thread-safe.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import os
@@ -213,7 +214,7 @@ class AgentsIO:
     def _stage_ref(self, stage: Any) -> wire.StageRef:  # caller holds the lock
         node = getattr(stage, "node", None) or getattr(stage, "node_id", None)
         agent = self._agents.get(node) if isinstance(node, str) else None
-        if agent is None:
+        if agent is None or not isinstance(node, str):
             raise NoRouteError(f"pipeline stage {stage!r}: unknown node")
         if not agent.alive or agent.welcome is None:
             raise NoRouteError(f"node {node!r} of the pipeline is not connected (dead or not yet ready)")
@@ -238,12 +239,11 @@ class AgentsIO:
         socks: dict[Any, AgentState] = {}
         while not self._stop.is_set():
             socks = {a.sock: a for a in self._agents.values()}
-            for item, _ in poller.poll(TICK_S * 1000):
+            for item, _ in poller.poll(int(TICK_S * 1000)):
                 if item is self.sink:
                     self._drain(self.sink, self._on_sink)
                 elif item in socks:
-                    agent = socks[item]
-                    self._drain(item, lambda frames, a=agent: self._on_control(a, frames))
+                    self._drain(item, functools.partial(self._on_control, socks[item]))
             try:
                 while self._wake_r.recv(4096):
                     pass
