@@ -2,9 +2,11 @@
 
 :func:`profile_cluster` is what ``helix profile --cluster`` runs:
 
-1. for each GPU type of the cluster's nodes, measure the engine once on this machine
-   (:func:`profiler.measure.measure_device`), cached by model, device, dtype and settings;
-   nodes of one type share a profile, as the profiles file keys throughput by GPU type;
+1. one node of every GPU type on this machine is measured through the engine in its own
+   process (:func:`profiler.nodes.measure_nodes`); with ``concurrent`` every co-located node is
+   measured at the same time (they share cores when they serve), and the nodes of one type are
+   combined. Cached by model, device, dtype, settings and the set of nodes (the profiles file
+   keys throughput by GPU type);
 2. its KV capacity and layer limit from the free memory a node of that type gets here
    (free memory divided among the cluster's nodes on this host);
 3. every directed link whose two ends are on this machine, through ZeroMQ probes
@@ -28,7 +30,8 @@ from helix.profile import GpuProfile, ModelProfile, ProfileSet, ThroughputProfil
 from helix.spec import ClusterSpec
 from profiler.files import CACHE_DIR_NAME, ProfileCache, write_links, write_profiles
 from profiler.links import LinkMeasurement, ProbeSet, host_of, is_local
-from profiler.measure import MeasureSettings, device_name, free_memory_bytes, measure_device, memory_limits
+from profiler.measure import MeasureSettings, device_name, free_memory_bytes, memory_limits
+from profiler.nodes import combine, measure_nodes
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +50,7 @@ class ClusterProfileResult:
     cache_hits: list[str] = field(default_factory=list)
     measured: list[str] = field(default_factory=list)
     skipped_nodes: list[str] = field(default_factory=list)
+    per_node: dict[str, dict[str, Any]] = field(default_factory=dict)
     wall_s: float = 0.0
 
 
@@ -77,7 +81,7 @@ def _throughput(measured: dict[str, Any], free_bytes: float, settings: MeasureSe
         prefill_ms_per_layer=[tuple(p) for p in measured["prefill_ms_per_layer"]],
         decode_ms_per_layer=[tuple(p) for p in measured["decode_ms_per_layer"]],
         kv_capacity_tokens_by_layers=kv,
-        prompt_max_tokens_by_layers=[agent.token_budget] * k_max,
+        prompt_max_tokens_by_layers=[min(agent.chunk_size or agent.token_budget, agent.token_budget)] * k_max,
         decode_max_tokens_by_layers=[agent.max_batch_size] * k_max,
     )
 
@@ -91,6 +95,7 @@ def profile_cluster(
     measure_links: bool = True,
     settings: MeasureSettings | None = None,
     notify: Notify | None = None,
+    concurrent: bool = False,
 ) -> ClusterProfileResult:
     """Measure the cluster's GPU types and links; write the profiles and links files."""
     t0 = time.perf_counter()
@@ -112,19 +117,28 @@ def profile_cluster(
                                   links_path=None, profiles=ProfileSet())  # fmt: skip
 
     gpus: dict[str, GpuProfile] = {}
+    key = {"model": cluster.model, "weights": _model_fingerprint(model_dir), "device": device,
+           "dtype": ENGINE_DTYPE, "settings": s.key(), "concurrent": concurrent,
+           "nodes": sorted(f"{n.id}:{n.gpu}" for n in local_nodes)}  # fmt: skip
+    cached = None if force else cache.get(key)
+    types = sorted({n.gpu for n in local_nodes})
+    if cached is not None:
+        say("gpu", f"cached ({device}, {ENGINE_DTYPE})")
+        per_node = cached["per_node"]
+        result.cache_hits = types
+    else:
+        # one node per GPU type, or (concurrent) every co-located node at the same time
+        first = {n.gpu: n.id for n in reversed(local_nodes)}
+        todo = [n.id for n in local_nodes] if concurrent else sorted(first.values())
+        say("gpu", f"measuring {', '.join(todo)} on {device}")
+        per_node = measure_nodes(model_dir, todo, s, concurrent=concurrent,
+                                 notify=lambda node, msg: say("gpu", f"{node}: {msg}"))  # fmt: skip
+        cache.put(key, {"per_node": per_node})
+        result.measured = types
+    result.per_node = per_node
     model_constants: dict[str, Any] | None = None
-    for gpu in sorted({n.gpu for n in local_nodes}):
-        key = {"model": cluster.model, "weights": _model_fingerprint(model_dir), "device": device,
-               "dtype": ENGINE_DTYPE, "settings": s.key()}  # fmt: skip
-        measured = None if force else cache.get(key)
-        if measured is not None:
-            say("gpu", f"{gpu}: cached ({device}, {ENGINE_DTYPE})")
-            result.cache_hits.append(gpu)
-        else:
-            say("gpu", f"{gpu}: measuring the engine on {device}")
-            measured = measure_device(model_dir, s, progress=lambda m, g=gpu: say("gpu", f"{g}: {m}"))
-            cache.put(key, measured)
-            result.measured.append(gpu)
+    for gpu in types:
+        measured = combine([per_node[n.id] for n in local_nodes if n.gpu == gpu and n.id in per_node])
         model_constants = measured
         gpus[gpu] = GpuProfile(vram_gb=round(free / 1e9, 3), throughput={cluster.model: _throughput(measured, free, s)})
     assert model_constants is not None

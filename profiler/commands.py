@@ -33,6 +33,8 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="measure again even if the cache has results")
     p.add_argument("--model-dir", metavar="DIR", help="engine model dir to measure (default: SmolLM2-135M)")
     p.add_argument("--no-links", action="store_true", help="do not measure links")
+    p.add_argument("--concurrent", action="store_true",
+                   help="measure every co-located node at the same time (they share cores when serving)")
 
 
 def run_profile(args: argparse.Namespace) -> int:
@@ -122,7 +124,8 @@ def _run_measure(args: argparse.Namespace) -> int:
             progress.update(task, description=message, phase=phase)
 
         result = profile_cluster(cluster, model_dir=args.model_dir, force=args.force, output=args.output,
-                                 measure_links=not args.no_links, notify=notify)  # fmt: skip
+                                 measure_links=not args.no_links, notify=notify,
+                                 concurrent=args.concurrent)  # fmt: skip
     measured = {g: result.profiles.gpus[g] for g in (*result.measured, *result.cache_hits)}
     print_profiles(console, ProfileSet(models=result.profiles.models, gpus=measured),
                    title=f"{cluster.name}: measured on this machine")  # fmt: skip

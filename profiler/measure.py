@@ -1,14 +1,15 @@
 """Measuring one device through the real engine: per-layer latency curves, KV capacity, layer limit.
 
-:func:`measure_device` builds a :class:`node_agent.engine.StageEngine` holding a few *middle*
-layers ``[1, 1 + probe_layers)`` of the model (no embedding, no LM head: the per-layer cost is
-what the planner multiplies by the layers a node holds), and drives it exactly as an agent
-does, with ``add_request`` / ``push_hidden`` / ``step``:
+:func:`measure_device` builds :class:`node_agent.engine.StageEngine` stages of the model (one
+middle layer, ``probe_layers`` middle layers, the last layer with the LM head) and drives each
+exactly as an agent does, with ``add_request`` / ``push_hidden`` / ``step``:
 
 * **prefill**: one request of ``t`` prompt tokens in one step (chunking off), for every ``t`` in
-  ``prefill_tokens``; ms per layer = median step time / ``probe_layers``;
+  ``prefill_tokens``; the median step time of ``repeats`` runs;
 * **decode**: ``b`` requests with ``context_tokens`` of context each, one new token each per
-  step, for every ``b`` in ``decode_batches``; ms per layer likewise.
+  step, for every ``b`` in ``decode_batches``; likewise.
+
+From the three stages' step times come the per-layer curves (see :func:`measure_device`).
 
 KV capacity comes from free memory (``MemAvailable`` on CPU, ``torch.cuda.mem_get_info`` on a
 GPU) divided among the nodes sharing the device, times ``MEMORY_UTILIZATION``, minus the
@@ -32,11 +33,11 @@ from helix.errors import ConfigError
 log = logging.getLogger(__name__)
 
 MEMORY_UTILIZATION = 0.9
-DEFAULT_PREFILL_TOKENS = (16, 64, 128, 256, 512)
+DEFAULT_PREFILL_TOKENS = (16, 64, 128, 256)  # the agent's prefill chunk is 256
 DEFAULT_DECODE_BATCHES = (1, 2, 4, 8, 16, 32)
 DEFAULT_CONTEXT_TOKENS = 64
 DEFAULT_MIN_KV_TOKENS_PER_LAYER = 65536
-MEASURE_VERSION = 2  # bump when what measure_device returns changes (invalidates caches)
+MEASURE_VERSION = 3  # bump when what measure_device returns changes (invalidates caches)
 
 Progress = Callable[[str], None]
 
@@ -45,11 +46,11 @@ Progress = Callable[[str], None]
 class MeasureSettings:
     """What to measure; part of the cache key so changed settings re-measure."""
 
-    probe_layers: int = 2
+    probe_layers: int = 4
     prefill_tokens: tuple[int, ...] = DEFAULT_PREFILL_TOKENS
     decode_batches: tuple[int, ...] = DEFAULT_DECODE_BATCHES
     context_tokens: int = DEFAULT_CONTEXT_TOKENS
-    repeats: int = 5
+    repeats: int = 3
     min_kv_tokens_per_layer: int = DEFAULT_MIN_KV_TOKENS_PER_LAYER
 
     def key(self) -> dict[str, Any]:
@@ -161,10 +162,13 @@ def measure_device(
 ) -> dict[str, Any]:
     """Per-layer prefill/decode curves of ``model_dir`` on this machine's engine (CPU, float32).
 
-    Two engines are timed: ``probe_layers`` middle layers (the per-layer cost) and the last
-    layer alone, which also runs the final norm, the LM head and sampling. That extra *head*
-    cost is spread over the model's layers (``head_ms / num_layers`` added to every point), so
-    a node holding the whole model is modelled exactly and a partial stage proportionally.
+    Three engines are timed: middle layer 1 alone and layers ``[1, 1 + probe_layers)`` — the
+    per-layer cost is the slope between them, so the engine's fixed per-step cost (scheduling,
+    gathering rows) is not multiplied by the layer count — and the last layer alone, which also
+    runs the final norm, the LM head and sampling. What the last stage costs beyond one layer
+    (*head*: LM head, sampling, the fixed per-step cost) is spread over the model's layers
+    (``head_ms / num_layers`` added to every point), so a node holding the whole model is
+    modelled exactly and a partial stage proportionally.
     """
     import torch
 
@@ -182,11 +186,14 @@ def measure_device(
     n = config.num_layers
     if n < 3:
         raise ConfigError(f"profiling needs a model with at least 3 layers, this one has {n}", source=str(model_dir))
-    layers = max(1, min(s.probe_layers, n - 2))
+    layers = max(2, min(s.probe_layers, n - 2))
     max_batch = max(s.decode_batches)
     sched = SchedulerConfig(max_batch_size=max_batch, token_budget=max(max(s.prefill_tokens), max_batch),
                             chunk_size=None)  # fmt: skip
     kv_tokens = max_batch * (s.context_tokens + s.repeats + 16) + max(s.prefill_tokens) * 2 + 1024
+    one = StageEngine(model_dir, 1, 2, kv_capacity_tokens=kv_tokens, scheduler=sched)
+    pre_one, dec_one = _step_curves(one, s, note, "layer 1")
+    del one
     middle = StageEngine(model_dir, 1, 1 + layers, kv_capacity_tokens=kv_tokens, scheduler=sched)
     pre_mid, dec_mid = _step_curves(middle, s, note, f"layers 1-{layers}")
     weight_bytes = sum(p.numel() * p.element_size() for p in _layer_tensors(middle)) / layers
@@ -194,8 +201,8 @@ def measure_device(
     last = StageEngine(model_dir, n - 1, n, kv_capacity_tokens=kv_tokens, scheduler=sched)
     pre_last, dec_last = _step_curves(last, s, note, "last layer + LM head")
     del last
-    pre_layer = [ms / layers for ms in pre_mid]
-    dec_layer = [ms / layers for ms in dec_mid]
+    pre_layer = _slopes(pre_one, pre_mid, layers)
+    dec_layer = _slopes(dec_one, dec_mid, layers)
     pre_head = [max(0.0, a - b) for a, b in zip(pre_last, pre_layer, strict=True)]
     dec_head = [max(0.0, a - b) for a, b in zip(dec_last, dec_layer, strict=True)]
     return {
@@ -211,6 +218,12 @@ def measure_device(
         "raw": {"prefill_layer_ms": pre_layer, "prefill_head_ms": pre_head,
                 "decode_layer_ms": dec_layer, "decode_head_ms": dec_head},
     }  # fmt: skip
+
+
+def _slopes(one: list[float], many: list[float], layers: int) -> list[float]:
+    """Per-layer ms from 1-layer and ``layers``-layer step times (the fixed part cancels); at
+    least a quarter of the plain average, so noise cannot make a layer free."""
+    return [max((b - a) / (layers - 1), b / layers / 4) for a, b in zip(one, many, strict=True)]
 
 
 def _layer_tensors(engine: Any) -> list[Any]:
