@@ -73,5 +73,5 @@ def test_console_script_subprocess() -> None:
 def test_default_method_is_our_optimizer(capsys) -> None:
     pytest.importorskip("planner.optimize")
     cluster, _ = load(DEMO)
-    plan = _plan_json(capsys, ["plan", str(DEMO), "--json", "--time-limit", "20", "--threads", "1"])
+    plan = _plan_json(capsys, ["plan", str(DEMO), "--json", "--time-limit", "5", "--threads", "1"])
     assert plan["method"] == "helix" and set(plan["placement"]) <= set(cluster.node_ids)

@@ -27,12 +27,15 @@ def test_demo_cluster_shape() -> None:
     assert (model.num_layers, model.hidden_size) == (30, 576)
 
 
-@pytest.mark.parametrize("method", ["paper-milp", "petals", "helix"])
-def test_demo_plan_survives_losing_any_agent(method: str) -> None:
+@pytest.mark.parametrize(
+    ("method", "objective"),
+    [("paper-milp", "max-flow"), ("petals", "max-flow"), ("helix", "max-flow"), ("helix", "serving")],
+)
+def test_demo_plan_survives_losing_any_agent(method: str, objective: str) -> None:
     if method == "helix":
         pytest.importorskip("planner.optimize")
     cluster, profiles = load(DEMO)
-    plan = make_plan(cluster, profiles, method=method, objective="max-flow", time_limit_s=20, threads=1)
+    plan = make_plan(cluster, profiles, method=method, objective=objective, time_limit_s=5, threads=1)
     cap = CapacityModel.build(cluster, profiles)
     assert survives_any_single_loss(cap, dict(plan.placement)), plan.placement
 
