@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from helix.errors import ConfigError, HelixError, InfeasiblePlanError
-from helix.plan import Plan, check_plan, load_plan
+from helix.plan import FlowEdge, Plan, check_plan, load_plan
 from helix.profile import ProfileSet
 from helix.spec import ClusterSpec
 from planner import baselines
@@ -94,6 +94,7 @@ def make_plan(
     status, solver_name = "heuristic", None
     score: dict[str, float] = {}
     stats: dict[str, Any] = {}
+    given_flows: list[FlowEdge] = []
     if method in baselines.BASELINES:
         placement = baselines.run_baseline(method, cap, _gpu_of(cluster))
     elif method == "paper-milp":
@@ -138,6 +139,7 @@ def make_plan(
         status, solver_name = str(res.status), res.solver
         score = {k: float(v) for k, v in (getattr(res, "score", None) or {}).items() if isinstance(v, int | float)}
         stats = dict(getattr(res, "stats", None) or {})
+        given_flows = list(getattr(res, "flows", None) or [])
     return finish_plan(
         cluster,
         profiles,
@@ -153,6 +155,7 @@ def make_plan(
         score=score,
         stats=stats,
         cap=cap,
+        flows=given_flows,
     )
 
 
@@ -172,11 +175,20 @@ def finish_plan(
     score: dict[str, float] | None = None,
     stats: dict[str, Any] | None = None,
     cap: CapacityModel | None = None,
+    flows: list[FlowEdge] | None = None,
 ) -> Plan:
-    """Evaluate a placement on the cluster graph and wrap it as a checked plan."""
+    """Evaluate a placement on the cluster graph and wrap it as a checked plan.
+
+    ``flows``, if given (the optimizer's balanced max flow), become the plan's flows when
+    they carry the same max flow as the graph's; otherwise networkx's flows are used.
+    """
     cap = cap or CapacityModel.build(cluster, profiles)
     placement = {n: (int(s), int(e)) for n, (s, e) in placement.items()}
     result = evaluate(cap, placement, partial_handoffs=partial_handoffs)
+    if flows:
+        out_of_source = sum(e.tok_s for e in flows if e.src == cluster.coordinator.id)
+        if abs(out_of_source - result.max_flow_tok_s) <= 1e-6 * max(1.0, result.max_flow_tok_s):
+            result.flows = list(flows)
     all_stats = dict(stats or {})
     all_stats.update(placement_stats(cluster, profiles, placement, result.flows))
     plan = Plan(
