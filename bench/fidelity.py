@@ -1,0 +1,173 @@
+"""Fidelity of the whole chain on the 3-agent loopback demo: profile, plan, simulate, run for real.
+
+``python bench/fidelity.py`` (a few minutes on 2 shared cores):
+
+1. copies ``clusters/demo`` to a scratch directory and profiles it with ``helix profile``'s
+   machinery (the real engine, ZeroMQ link probes); the measured links replace the declared ones;
+2. plans it (``planner.api.make_plan``, method ``helix``, falling back to ``paper-milp``);
+3. runs the workload for real: one ``helix agent`` subprocess per placed node, the coordinator
+   with its OpenAI-compatible HTTP endpoint in this process, ``--requests`` chat completions sent
+   at once through HTTP; records every request's prompt and completion token counts;
+4. simulates the very same requests (same lengths, all arriving at t=0, IWRR router) on the
+   plan with the measured profiles;
+5. prints decode throughput (tokens after each request's first / makespan, the simulator's
+   definition) measured vs simulated, and whether they agree within 15%.
+
+Nothing here is a test: the numbers depend on the machine and on whatever else runs on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import secrets
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the packages, not bench/planner.py or bench/router.py
+
+from helix.profile import load_profiles_for  # noqa: E402
+from helix.spec import load_cluster  # noqa: E402
+from planner.api import make_plan  # noqa: E402
+from profiler.cluster_profile import profile_cluster  # noqa: E402
+from router.launch import AgentProcesses  # noqa: E402
+from router.serving import ServeOptions, build_coordinator, create_server_app, make_server  # noqa: E402
+from simulator.engine import SimConfig, simulate  # noqa: E402
+from simulator.workload import RequestSpec  # noqa: E402
+
+DEMO = ROOT / "clusters" / "demo"
+SENTENCE = "The quick brown fox jumps over the lazy dog while the cluster serves many requests. "
+TOLERANCE = 0.15
+
+
+def prepare(workdir: Path, console: Console, force: bool) -> tuple[Path, float]:
+    """Copy the demo cluster, profile it, write the measured links into the copy."""
+    shutil.copytree(DEMO, workdir / "demo", dirs_exist_ok=True)
+    path = workdir / "demo" / "cluster.yaml"
+    t0 = time.perf_counter()
+    result = profile_cluster(load_cluster(path), force=force)
+    wall = time.perf_counter() - t0
+    console.print(f"profiled {path.parent} in {wall:.1f} s (measured: {result.measured or '-'}, "
+                  f"cached: {result.cache_hits or '-'}, {len(result.links)} links)")  # fmt: skip
+    raw = yaml.safe_load(path.read_text())
+    raw["links"] = [m.as_dict() for m in result.links]
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path, wall
+
+
+def plan_cluster(cluster_path: Path, method: str, console: Console) -> Any:
+    cluster = load_cluster(cluster_path)
+    profiles = load_profiles_for(cluster)
+    try:
+        plan = make_plan(cluster, profiles, method=method, time_limit_s=20, threads=1)
+    except Exception as exc:  # noqa: BLE001 - the optimizer may be unavailable in this build
+        console.print(f"[yellow]method {method} failed ({exc}); using paper-milp[/]")
+        plan = make_plan(cluster, profiles, method="paper-milp", time_limit_s=20, threads=1)
+    plan.save(cluster_path.parent / "plan.json")
+    console.print(f"plan ({plan.method}): {dict(plan.placement)}, max flow {plan.max_flow_tok_s:.1f} tok/s")
+    return cluster, profiles, plan
+
+
+def prompts(n: int) -> list[str]:
+    """``n`` chat messages of varied length (1..4 sentences) asking for a long answer."""
+    return [SENTENCE * (1 + (i * 3) % 4) + "Write a long, detailed story about this fox." for i in range(n)]
+
+
+async def _fire(base_url: str, model: str, texts: list[str], max_tokens: int) -> tuple[list[dict[str, Any]], float]:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=600) as client:
+
+        async def one(i: int, text: str) -> dict[str, Any]:
+            body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+                    "temperature": 0.7, "seed": i}
+            r = await client.post(f"{base_url}/chat/completions", json=body)
+            r.raise_for_status()
+            return r.json()["usage"] | {"done_s": time.perf_counter()}
+
+        await one(0, "Warm up.")  # first-call allocations in every agent on the path
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(one(i, t) for i, t in enumerate(texts)))
+    return [r | {"done_s": r["done_s"] - t0} for r in results], t0
+
+
+def run_real(cluster_path: Path, cluster: Any, profiles: Any, plan: Any, texts: list[str], max_tokens: int,
+             workdir: Path, console: Console) -> list[dict[str, Any]]:  # fmt: skip
+    secret = secrets.token_hex(16)
+    agents = AgentProcesses(cluster_path.resolve(), cluster_path.parent / "plan.json", workdir, secret=secret)
+    try:
+        agents.start(plan.placement)
+        addresses = agents.wait_ready()
+        console.print(f"{len(addresses)} agents ready")
+        coordinator = build_coordinator(cluster, plan, profiles, ServeOptions())
+        server: Any = make_server(create_server_app(coordinator, addresses, secret=secret.encode()), "127.0.0.1", 0)
+
+        async def main() -> list[dict[str, Any]]:
+            serving = asyncio.create_task(server.serve())
+            while not server.started:
+                if serving.done():
+                    serving.result()
+                await asyncio.sleep(0.05)
+            while not coordinator.ready:
+                await asyncio.sleep(0.05)
+            port = server.servers[0].sockets[0].getsockname()[1]
+            try:
+                results, _ = await _fire(f"http://127.0.0.1:{port}/v1", coordinator.model_names[0], texts, max_tokens)
+            finally:
+                server.should_exit = True
+                await serving
+            return results
+
+        return asyncio.run(main())
+    finally:
+        agents.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--method", default="helix")
+    ap.add_argument("--force", action="store_true", help="re-measure even if the profile cache is warm")
+    ap.add_argument("--workdir", help="scratch directory (default: a fresh temporary one)")
+    args = ap.parse_args(argv)
+    console = Console(highlight=False)
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="helix-fidelity-"))
+    cluster_path, profile_s = prepare(workdir, console, args.force)
+    cluster, profiles, plan = plan_cluster(cluster_path, args.method, console)
+    texts = prompts(args.requests)
+    real = run_real(cluster_path, cluster, profiles, plan, texts, args.max_tokens, workdir, console)
+    makespan = max(r["done_s"] for r in real)
+    decode_tokens = sum(r["completion_tokens"] - 1 for r in real)
+    measured = decode_tokens / makespan
+    trace = [RequestSpec(0.0, r["prompt_tokens"], r["completion_tokens"]) for r in real]
+    sim = simulate(cluster, profiles, plan, SimConfig(mode="online", router="iwrr", trace=trace, num_requests=len(trace),
+                                                      warmup_s=0.0, duration_s=1e6))  # fmt: skip
+    table = Table(title=f"fidelity: {len(real)} requests on the demo cluster ({plan.method} plan)")
+    for col in ("", "measured", "simulated", "sim / measured"):
+        table.add_column(col, justify="right")
+    table.add_row("decode tok/s", f"{measured:.1f}", f"{sim.decode_tok_s:.1f}", f"{sim.decode_tok_s / measured:.2f}")
+    table.add_row("makespan s", f"{makespan:.2f}", f"{sim.sim_end_s:.2f}", f"{sim.sim_end_s / makespan:.2f}")
+    table.add_row("mean prompt / output tokens",
+                  f"{statistics.mean(r['prompt_tokens'] for r in real):.0f} / "
+                  f"{statistics.mean(r['completion_tokens'] for r in real):.0f}", "same trace", "")  # fmt: skip
+    console.print(table)
+    error = abs(sim.decode_tok_s / measured - 1)
+    verdict = "[green]within[/]" if error <= TOLERANCE else "[red]outside[/]"
+    console.print(f"profiling took {profile_s:.1f} s; simulated decode throughput is {error:.0%} off: "
+                  f"{verdict} the {TOLERANCE:.0%} target (scratch dir {workdir})")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
