@@ -13,10 +13,13 @@
 
        sum_c x_c = L,   sum_c mult_c(t,k) x_c <= k n_{t,k},   sum_k n_{t,k} <= N_t.
 
-   If this small MILP is infeasible at F, no placement reaches F. We bisect F and report
-   the smallest F proven infeasible. When there are too many configurations, capacities are
-   rounded *up* to multiples of F/Q (still a relaxation, so still a valid bound).
-   On single24 it proves 2045.64 (= the A100's T(8)), which the stage search attains.
+   If this small MILP is infeasible at F, no placement reaches F. Its LP relaxation is solved
+   by column generation (``configuration_lp_feasible``: one row per GPU type, pricing is a
+   covering knapsack) and scales to 100+ nodes; we bisect F and report the smallest F proven
+   infeasible. On single24 the LP proves 2045.64 (= the A100's T(8)), exactly the max flow
+   the stage search attains; the MILP (``configuration_feasible``, enumerated
+   configurations, capacities rounded *up* to multiples of F/Q when there are too many)
+   gives the same there and is kept as a cross-check.
 
 Links are ignored by 3 (it is a relaxation of the network-free problem), so the reported
 bound is min(1..3).
@@ -27,6 +30,8 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+
+import numpy as np
 
 from planner.highs_model import Model
 from planner.instance import Instance
@@ -125,6 +130,65 @@ def configuration_feasible(inst: Instance, flow: float, *, time_limit_s: float =
     return None
 
 
+def configuration_lp_feasible(inst: Instance, flow: float, *, time_limit_s: float = 10.0) -> bool | None:
+    """The LP relaxation of the layer-configuration model, by column generation.
+
+    With n_{t,k} continuous they can be eliminated: a node of type t holding k layers lends
+    1/k of itself to each of its layers, so covering layer l with configuration c costs
+    a_{t,c} = sum_k mult_c(t,k) / k nodes of type t. Master LP (one row per GPU type)::
+
+        maximize sum_c x_c   s.t.  sum_c a_{t,c} x_c <= N_t   (every type t)
+
+    and ``flow`` is reachable only if the optimum is >= L. Pricing (duals pi_t) is a covering
+    knapsack solved exactly by HiGHS: minimize sum_{t,k} pi_t m_{t,k} / k subject to
+    sum_{t,k} T_t(k) m_{t,k} >= flow, 0 <= m_{t,k} <= N_t integer. False is a proof."""
+    import highspy
+
+    deadline = time.monotonic() + time_limit_s
+    counts = inst.counts()
+    types = inst.types
+    kinds = [(t, k) for t in types for k in range(1, inst.gpus[t].max_layers + 1)]
+    cols: list[list[float]] = []  # a_{t,c} per type
+    # start with single-kind columns that cover alone or with repeats (always valid configs)
+    for t, k in kinds:
+        h = inst.gpus[t].tok_s[k - 1]
+        reps = math.ceil(flow / h - 1e-12)
+        if reps <= counts[t]:
+            cols.append([reps / k if tt == t else 0.0 for tt in types])
+    if not cols:
+        cols.append([counts[t] + 1.0 for t in types])  # a dummy that no budget affords
+    L = float(inst.num_layers)
+    while time.monotonic() < deadline:
+        h = highspy.Highs()
+        h.setOptionValue("output_flag", False)
+        h.setOptionValue("threads", 1)
+        h.setOptionValue("presolve", "off")
+        m = len(cols)
+        h.addVars(m, np.zeros(m), np.full(m, highspy.kHighsInf))
+        h.changeColsCost(m, np.arange(m, dtype=np.int32), -np.ones(m))
+        for ti, t in enumerate(types):
+            idx = np.array([j for j in range(m) if cols[j][ti] > 0], dtype=np.int32)
+            h.addRow(-highspy.kHighsInf, float(counts[t]), len(idx), idx, np.array([cols[j][ti] for j in idx]))
+        h.run()
+        if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+            return None
+        covered = -h.getInfo().objective_function_value
+        if covered >= L * (1 - 1e-9):
+            return True
+        duals = [max(0.0, -d) for d in h.getSolution().row_dual]
+        price = Model()
+        mcols = [price.add_col(0, counts[t], cost=duals[types.index(t)] / k, integer=True) for t, k in kinds]
+        price.add_row(mcols, [inst.gpus[t].tok_s[k - 1] for t, k in kinds], lo=flow)
+        sol = price.solve(time_limit_s=max(0.05, deadline - time.monotonic()), mip_gap=0.0)
+        if sol.status != "optimal":
+            return None
+        if sol.objective >= 1 - 1e-9:  # no column improves: the LP optimum is proven < L
+            return False
+        counts_m = [round(v) for v in sol.x]
+        cols.append([sum(counts_m[q] / k for q, (tt, k) in enumerate(kinds) if tt == t) for t in types])
+    return None
+
+
 def configuration_bound(
     inst: Instance, *, lower: float, upper: float, time_limit_s: float = 20.0, rel_tol: float = 1e-5
 ) -> float:
@@ -132,13 +196,11 @@ def configuration_bound(
     max flow) and a valid ``upper``; returns the smallest flow proven unreachable (or ``upper``)."""
     deadline = time.monotonic() + time_limit_s
     lo, hi = lower, upper
-    if configuration_feasible(inst, hi, time_limit_s=max(0.1, deadline - time.monotonic())) is False:
-        pass
-    else:
+    if configuration_lp_feasible(inst, hi, time_limit_s=max(0.1, deadline - time.monotonic())) is not False:
         return upper
     while hi - lo > rel_tol * hi and time.monotonic() < deadline:
         mid = (lo + hi) / 2
-        res = configuration_feasible(inst, mid, time_limit_s=max(0.1, deadline - time.monotonic()))
+        res = configuration_lp_feasible(inst, mid, time_limit_s=max(0.1, deadline - time.monotonic()))
         if res is False:
             hi = mid
         elif res is True:
@@ -158,7 +220,7 @@ def upper_bound(inst: Instance, *, achieved: float, time_limit_s: float = 20.0) 
     if cfg < best.tok_s:
         best = Bound(
             cfg,
-            "layer-configuration MILP (HiGHS): no integer choice of per-type layer counts lets every "
-            "layer be covered by nodes summing to more than this (bisection, proven infeasible above)",
+            "layer-configuration LP (column generation, HiGHS): no mix of per-layer node configurations "
+            "lets every layer be covered by nodes summing to more than this (bisection; infeasible above)",
         )
     return best
