@@ -263,17 +263,21 @@ def test_wrong_secret_coordinator_is_never_connected(smol_agents: dict[str, Agen
         assert "shared secret" in (io.agents()["a"].auth_error or "")
 
 
-def test_missing_weights_dir_is_reported_by_name(tmp_path: Path, smollm2_dir: Path) -> None:
+def test_missing_weights_dir_is_reported_by_name(tmp_path: Path, smollm2_dir: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from helix.cli import main
+
     cluster, plan = write_cluster(tmp_path, {"a": (0, 30)})
-    base = [sys.executable, "-m", "node_agent", "--cluster", str(cluster), "--plan", str(plan), "--node", "a"]
+    base = ["agent", "--cluster", str(cluster), "--plan", str(plan), "--node", "a"]
     missing = tmp_path / "no-such-model"
-    out = subprocess.run([*base, "--model-dir", str(missing)], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 5 and str(missing) in out.stderr and "not found" in out.stderr
+    assert main([*base, "--model-dir", str(missing)]) == 5
+    err = capsys.readouterr().err.replace("\n", "")
+    assert str(missing) in err and "not found" in err
     empty = tmp_path / "empty-model"
     empty.mkdir()
     (empty / "config.json").write_text((smollm2_dir / "config.json").read_text())
-    out = subprocess.run([*base, "--model-dir", str(empty)], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 5 and "no *.safetensors weights file" in out.stderr
+    assert main([*base, "--model-dir", str(empty)]) == 5
+    assert "no *.safetensors weights file" in capsys.readouterr().err.replace("\n", "")
 
 
 @pytest.fixture
