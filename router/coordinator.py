@@ -344,11 +344,17 @@ class Coordinator:
             self._drain_waiting()
 
     def on_agent_alive(self, node: str, welcome: Welcome | None = None) -> None:
-        """An agent (re)connected: route through it again."""
-        log.info("agent %s is alive", node)
-        if welcome is not None and node in self.router.topology.placement:
-            start, end = self.router.topology.placement[node]
+        """An agent (re)connected: route through it again (unless it holds other layers than planned)."""
+        if node not in self.router.topology.placement:
+            return
+        start, end = self.router.topology.placement[node]
+        if welcome is not None:
+            if (welcome.layer_start, welcome.layer_end) != (start, end):
+                log.error("agent %s holds layers [%d, %d) but the plan gives it [%d, %d): not using it", node,
+                          welcome.layer_start, welcome.layer_end, start, end)
+                return
             self.router.report_kv(node, used=0.0, capacity=float(welcome.kv_capacity_tokens * (end - start)))
+        log.info("agent %s is alive", node)
         self.router.mark_alive(node)
         self._ready = self.router.has_route()
         self._drain_waiting()
