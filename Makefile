@@ -20,7 +20,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/helix plan clusters/helix-paper-single24/cluster.yaml --compare
+	$(BIN)/helix demo
 
 test: $(STAMP)
 	$(BIN)/ruff check .
