@@ -172,6 +172,8 @@ def iteration_vs_request(model_dir: Path, quick: bool, progress: Progress) -> Ta
             lat = sorted(trace.normalized_latency(r) for r in trace.arrivals)
             point = (trace.throughput_req_s(), statistics.median(lat))
             curves[mode].append(point)
+            progress.console.print(f"  {mode} at {load:.1f}x service rate: {point[0]:.3f} req/s, "
+                                   f"median normalized latency {point[1]:.3f} s/token")
             table.add_row(mode, f"{load * mu:.3f}", f"{point[0]:.3f}", f"{point[1]:.3f}",
                           f"{lat[int(0.9 * (len(lat) - 1))]:.3f}")
     it_tp, target = curves["iteration-level"][-1]
@@ -208,6 +210,7 @@ def chunked_prefill(model_dir: Path, quick: bool, progress: Progress) -> Table:
         trace = run_trace(make_engine(model_dir, sched), arrivals, lambda: progress.advance(task))
         tbt = sorted(trace.between_tokens_s(decode_ids))
         stats[mode] = (tbt[int(0.99 * (len(tbt) - 1))], statistics.median(tbt), trace.tokens_processed / trace.busy_s)
+        progress.console.print(f"  {mode}: p99 TBT {stats[mode][0]:.3f} s, {stats[mode][2]:.1f} tokens/busy-s")
         table.add_row(mode, *(f"{v:.3f}" for v in stats[mode][:2]), f"{stats[mode][2]:.1f}")
     on, off = stats["chunked (64)"], stats["unchunked"]
     table.caption = (f"p99 TBT unchunked/chunked = {off[0] / on[0]:.2f}x (target ≥ 2x); throughput cost of "

@@ -38,8 +38,12 @@ class SamplingParams:
 
 
 def make_generator(params: SamplingParams) -> torch.Generator:
+    """A per-request generator: seeded when ``params.seed`` is set, else from OS entropy."""
     gen = torch.Generator()
-    gen.manual_seed(params.seed if params.seed is not None else int(torch.seed()) % (2**63))
+    if params.seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(params.seed)
     return gen
 
 

@@ -85,3 +85,21 @@ def test_stage_loads_only_its_layers(tiny_llama: tuple[Path, Any]) -> None:
     assert middle.model.embed_tokens is None and middle.model.lm_head is None
     last = StageEngine(model_dir, 3, 4)
     assert last.model.lm_head is not None and last.model.embed_tokens is None
+
+
+def test_seeded_sampling_does_not_depend_on_split_or_batch(tiny_llama: tuple[Path, Any]) -> None:
+    model_dir, hf = tiny_llama
+    prompts = _prompts(hf.config.vocab_size)
+    runs = []
+    for split, others in (([(0, 4)], False), ([(0, 1), (1, 3), (3, 4)], True)):
+        pipe = LocalPipeline([StageEngine(model_dir, a, b, scheduler=CHUNKED, kv_capacity_tokens=256)
+                              for a, b in split])
+        pipe.add_request("s", prompts[2], SamplingParams(max_tokens=8, temperature=1.3, top_p=0.9, seed=11))
+        if others:  # batch-mates change the step composition, not the seeded draws
+            for i in (0, 3):
+                pipe.add_request(str(i), prompts[i], SamplingParams(max_tokens=5, temperature=1.0))
+        tokens = []
+        while pipe.has_unfinished:
+            tokens += [o.token for o in pipe.step() if o.request_id == "s"]
+        runs.append(tokens)
+    assert runs[0] == runs[1] and len(runs[0]) == 8
