@@ -59,7 +59,7 @@ def is_local(host: str) -> bool:
         return True
     try:
         mine = {socket.gethostname(), socket.getfqdn()}
-        mine |= {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None)}
+        mine |= {str(info[4][0]) for info in socket.getaddrinfo(socket.gethostname(), None)}
         return host in mine or socket.gethostbyname(host) in mine
     except OSError:
         return False
@@ -68,7 +68,7 @@ def is_local(host: str) -> bool:
 # -- the probe process -------------------------------------------------------------------------
 
 
-def _measure_to(ctx: zmq.Context, endpoint: str, pings: int, bulk_bytes: int, chunk_bytes: int) -> dict[str, float]:
+def _measure_to(ctx: zmq.Context[Any], endpoint: str, pings: int, bulk_bytes: int, chunk_bytes: int) -> dict[str, float]:
     peer = ctx.socket(zmq.DEALER)
     peer.setsockopt(zmq.LINGER, 0)
     peer.setsockopt(zmq.RCVTIMEO, REPLY_TIMEOUT_MS)
@@ -100,7 +100,7 @@ def _measure_to(ctx: zmq.Context, endpoint: str, pings: int, bulk_bytes: int, ch
 
 def serve_probe(bind: str) -> None:
     """Run a probe: print the bound endpoint, then answer ping / bulk / measure / quit."""
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[Any] = zmq.Context.instance()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.bind(bind)
@@ -116,6 +116,7 @@ def serve_probe(bind: str) -> None:
             sock.send_multipart([ident, b"got", str(received.pop(ident, 0)).encode()])
         elif cmd == b"measure":
             params = json.loads(rest[0])
+            result: dict[str, Any]
             try:
                 result = _measure_to(ctx, params["endpoint"], params["pings"], params["bulk_bytes"], params["chunk_bytes"])
             except zmq.ZMQError as exc:
@@ -137,7 +138,7 @@ class ProbeSet:
         self.hosts = hosts
         self.endpoints: dict[str, str] = {}
         self._procs: list[subprocess.Popen[str]] = []
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[Any] = zmq.Context.instance()
 
     def __enter__(self) -> ProbeSet:
         for vertex, host in self.hosts.items():

@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--settings", default="{}", help="MeasureSettings as JSON")
     args = ap.parse_args(argv)
     raw = json.loads(args.settings)
-    settings = MeasureSettings(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
+    settings = MeasureSettings(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})  # type: ignore[arg-type]
     try:
         result = measure_device(args.model_dir, settings, progress=lambda m: print(PROGRESS + m, flush=True))
     except HelixError as exc:
