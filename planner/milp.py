@@ -116,7 +116,10 @@ def _highs_solver_class() -> type:
             import highspy
 
             highspy.Highs.resetGlobalScheduler(True)
-            lp.solverModel.run()
+            try:
+                lp.solverModel.run()
+            finally:  # and leave none behind, so later solves may pick their own thread count
+                highspy.Highs.resetGlobalScheduler(True)
 
     return _HiGHSWarm
 

@@ -81,3 +81,18 @@ def test_gurobi_never_required(small) -> None:
 
     with pytest.raises(ConfigError, match="not installed"):
         milp.solve_paper_milp(cap, time_limit_s=5, solver="gurobi")
+
+
+def test_later_highs_solves_may_use_another_thread_count(small) -> None:
+    """HiGHS keeps one process-wide scheduler; a paper-milp solve must not leave it pinned."""
+    import highspy
+
+    _, _, cap, _ = small
+    milp.solve_paper_milp(cap, time_limit_s=30, threads=2)
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("threads", 1)
+    h.addVar(0.0, 1.0)
+    h.changeColCost(0, -1.0)
+    assert h.run() == highspy.HighsStatus.kOk
+    assert h.getModelStatus() == highspy.HighsModelStatus.kOptimal
