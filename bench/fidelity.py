@@ -36,9 +36,10 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the packages, not bench/planner.py or bench/router.py
 
+from helix.plan import Plan  # noqa: E402
 from helix.profile import load_profiles_for  # noqa: E402
 from helix.spec import load_cluster  # noqa: E402
-from planner.api import make_plan  # noqa: E402
+from planner.api import evaluate_plan, make_plan  # noqa: E402
 from profiler.cluster_profile import profile_cluster  # noqa: E402
 from router.launch import AgentProcesses  # noqa: E402
 from router.serving import ServeOptions, build_coordinator, create_server_app, make_server  # noqa: E402
@@ -65,11 +66,26 @@ def prepare(workdir: Path, console: Console, force: bool) -> tuple[Path, float]:
     return path, wall
 
 
-def plan_cluster(cluster_path: Path, method: str, console: Console) -> Any:
+def parse_placement(text: str) -> dict[str, tuple[int, int]]:
+    """``cpu-0=0:10,cpu-1=10:30`` -> placement."""
+    out: dict[str, tuple[int, int]] = {}
+    for item in text.split(","):
+        node, _, rng = item.partition("=")
+        start, _, end = rng.partition(":")
+        out[node.strip()] = (int(start), int(end))
+    return out
+
+
+def plan_cluster(cluster_path: Path, method: str, console: Console, placement: str | None = None) -> Any:
     cluster = load_cluster(cluster_path)
     profiles = load_profiles_for(cluster)
     try:
-        plan = make_plan(cluster, profiles, method=method, time_limit_s=20, threads=1)
+        if placement:
+            fixed = Plan(cluster=cluster.name, model=cluster.model, method="given", placement=parse_placement(placement),
+                         max_flow_tok_s=0.0)  # fmt: skip
+            plan = evaluate_plan(cluster, profiles, fixed)
+        else:
+            plan = make_plan(cluster, profiles, method=method, time_limit_s=20, threads=1)
     except Exception as exc:  # noqa: BLE001 - the optimizer may be unavailable in this build
         console.print(f"[yellow]method {method} failed ({exc}); using paper-milp[/]")
         plan = make_plan(cluster, profiles, method="paper-milp", time_limit_s=20, threads=1)
@@ -138,13 +154,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--method", default="helix")
+    ap.add_argument("--placement", metavar="NODE=S:E,...", help="serve this placement instead of planning one")
     ap.add_argument("--force", action="store_true", help="re-measure even if the profile cache is warm")
     ap.add_argument("--workdir", help="scratch directory (default: a fresh temporary one)")
     args = ap.parse_args(argv)
     console = Console(highlight=False)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="helix-fidelity-"))
     cluster_path, profile_s = prepare(workdir, console, args.force)
-    cluster, profiles, plan = plan_cluster(cluster_path, args.method, console)
+    cluster, profiles, plan = plan_cluster(cluster_path, args.method, console, args.placement)
     texts = prompts(args.requests)
     real = run_real(cluster_path, cluster, profiles, plan, texts, args.max_tokens, workdir, console)
     makespan = max(r["done_s"] for r in real)
