@@ -22,11 +22,13 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from helix.profile import ThroughputProfile, derive_tok_s
-from profiler.gpus import BUILTIN_MODELS, gpu_spec
-from profiler.roofline import Roofline, estimate_throughput
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from helix.profile import ThroughputProfile, derive_tok_s  # noqa: E402
+from profiler.gpus import BUILTIN_MODELS, gpu_spec  # noqa: E402
+from profiler.roofline import Roofline, estimate_throughput  # noqa: E402
+
 PAPER = ROOT.parent / "shared" / "bench" / "helix-paper-single24" / "gpus-llama70b.yaml"
 PREFILL_TOKENS = (250, 1000, 2000, 4000)
 DECODE_BATCHES = (8, 64, 140, 300, 460)

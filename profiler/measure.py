@@ -37,7 +37,7 @@ DEFAULT_PREFILL_TOKENS = (16, 64, 128, 256)  # the agent's prefill chunk is 256
 DEFAULT_DECODE_BATCHES = (1, 2, 4, 8, 16, 32)
 DEFAULT_CONTEXT_TOKENS = 64
 DEFAULT_MIN_KV_TOKENS_PER_LAYER = 65536
-MEASURE_VERSION = 3  # bump when what measure_device returns changes (invalidates caches)
+MEASURE_VERSION = 4  # bump when what measure_device returns changes (invalidates caches)
 
 Progress = Callable[[str], None]
 
@@ -216,7 +216,9 @@ def measure_device(
         "decode_ms_per_layer": [[0.0, 0.0]] + [[float(b), round(ms + h / n, 4)] for b, ms, h
                                                 in zip(s.decode_batches, dec_layer, dec_head, strict=True)],
         "raw": {"prefill_layer_ms": pre_layer, "prefill_head_ms": pre_head,
-                "decode_layer_ms": dec_layer, "decode_head_ms": dec_head},
+                "decode_layer_ms": dec_layer, "decode_head_ms": dec_head,
+                "prefill_fixed_ms": [max(0.0, a - b) for a, b in zip(pre_one, pre_layer, strict=True)],
+                "decode_fixed_ms": [max(0.0, a - b) for a, b in zip(dec_one, dec_layer, strict=True)]},
     }  # fmt: skip
 
 
