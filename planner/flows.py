@@ -11,7 +11,9 @@ convex QP (HiGHS)::
     s.t.      flow conservation, edge and node capacities, value = max flow
 
 whose optimum splits flow among interchangeable nodes in proportion to T_i (equal
-utilisation), i.e. every node works and none is favoured.
+utilisation), i.e. every node works and none is favoured. A 1e-6 weight on every edge's
+``f_e^2 / c_e`` makes the optimum unique, so the flows (and the serving estimate computed
+on them) do not depend on the solver's path.
 """
 
 from __future__ import annotations
@@ -77,7 +79,9 @@ def balanced_flows(
     hs = highspy.HighsHessian()
     hs.dim_ = n
     hs.format_ = highspy.HessianFormat.kTriangular
-    by_col = dict(diag)
+    # a tiny term on every edge makes the optimum unique (edge flows are otherwise degenerate)
+    by_col = {j: 1e-6 * 2.0 / float(c) for j, (_, _, c) in enumerate(edges) if c}
+    by_col.update(diag)
     hstart, hindex, hvalue = [0], [], []
     for j in range(n):
         if j in by_col:

@@ -128,6 +128,7 @@ def improve(
     """Iterated first-improvement local search from ``start`` until ``deadline`` (monotonic)."""
     rng = random.Random(seed)
     inst = ev.inst
+    prune = ev.objective == "max-flow" and not ev.coverage_exact
     cur = ev.score(start)
     best = cur
     nodes = list(start)
@@ -167,6 +168,8 @@ def improve(
                 pl[node] = rng_
             if not ev.valid(pl):
                 continue
+            if prune and min(inst.coverage(pl)) < cur.max_flow * (1 - 1e-12):
+                continue  # min coverage bounds the max flow: this move cannot raise it
             sc = ev.score(pl)
             if sc.key > cur.key:
                 cur = sc

@@ -66,9 +66,19 @@ class ServingEstimate:
     path_flows: list[tuple[list[str], float]] = field(default_factory=list)  # (nodes, decode tok/s)
 
 
+# id(curve) -> (the curve itself, so its id is never reused; sorted points; their x values)
+_SORTED: dict[int, tuple[Curve, list[tuple[float, float]], list[float]]] = {}
+
+
 def interp(curve: Curve, x: float) -> float:
-    pts = sorted(curve)
-    xs = [p[0] for p in pts]
+    """Piecewise-linear interpolation (flat below the first point, linear past the last)."""
+    hit = _SORTED.get(id(curve))
+    if hit is None or hit[0] is not curve:
+        pts = sorted(curve)
+        if len(_SORTED) > 1000:
+            _SORTED.clear()
+        hit = _SORTED[id(curve)] = (curve, pts, [p[0] for p in pts])
+    _, pts, xs = hit
     if x <= xs[0]:
         return pts[0][1]
     j = bisect.bisect_left(xs, x)
@@ -80,7 +90,8 @@ def interp(curve: Curve, x: float) -> float:
 
 
 def _decompose(flows: dict[tuple[str, str], float], coord: str) -> list[tuple[list[str], float]]:
-    rest = {e: f for e, f in flows.items() if f > 1e-9}
+    # rounded, and ties broken by name, so the paths do not depend on float noise in the flows
+    rest = {e: round(f, 3) for e, f in flows.items() if f > 1e-3}
     out_edges: dict[str, list[str]] = {}
     for a, b in rest:
         out_edges.setdefault(a, []).append(b)
@@ -89,11 +100,11 @@ def _decompose(flows: dict[tuple[str, str], float], coord: str) -> list[tuple[li
         v, path, amount = coord, [], float("inf")
         steps = 0
         while True:
-            nxt = [w for w in out_edges.get(v, []) if rest.get((v, w), 0.0) > 1e-9]
+            nxt = [w for w in out_edges.get(v, []) if rest.get((v, w), 0.0) > 1e-6]
             if not nxt or steps > 10_000:
                 path = []
                 break
-            w = max(nxt, key=lambda w, v=v: rest[(v, w)])
+            w = max(nxt, key=lambda w, v=v: (rest[(v, w)], w))
             amount = min(amount, rest[(v, w)])
             steps += 1
             if w == coord:
@@ -116,6 +127,7 @@ class ServingModel:
     def __init__(self, inst: Instance, workload: Workload | None = None) -> None:
         self.inst = inst
         self.w = workload or Workload()
+        self._prefill: dict[tuple[str, int], float] = {}
 
     # per-node timing ----------------------------------------------------------------
 
@@ -133,6 +145,13 @@ class ServingModel:
         return steps * layers_run * per_step / 1000.0
 
     def prefill_s(self, node: str, layers_run: int) -> float:
+        key = (self.inst.gpu_of[node], layers_run)
+        hit = self._prefill.get(key)
+        if hit is None:
+            hit = self._prefill[key] = self._prefill_s(node, layers_run)
+        return hit
+
+    def _prefill_s(self, node: str, layers_run: int) -> float:
         g = self.inst.gpus[self.inst.gpu_of[node]]
         if g.prefill_ms is not None:
             return layers_run * interp(g.prefill_ms, self.w.prompt_tokens) / 1000.0
