@@ -10,7 +10,8 @@ ignored) all submitted at t=0 (offline throughput).
   to the coordinator, STEP back to the first stage).
 
 Figures: tokens/s (prompt + generated) and generated tokens/s, and the ratio agents / one process.
-Run: ``.venv/bin/python bench/agents.py [--requests N]``.
+Run: ``.venv/bin/python bench/agents.py [--quick]`` (about 4-5 min on 2 shared cores); :func:`section`
+has the signature of ``bench/engine.py``'s ``SECTIONS`` entries.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from rich.console import Console  # noqa: E402
+from rich.progress import Progress  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from helix import wire  # noqa: E402
@@ -54,6 +56,12 @@ SECRET = "bench-secret"
 def workload(n: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(49152) for _ in range(rng.randint(32, 256))] for _ in range(n)]
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds a process used so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def one_process(model_dir: Path, prompts: list[list[int]]) -> float:
@@ -111,19 +119,18 @@ def three_agents(controls: dict[str, str], prompts: list[list[int]]) -> float:
         return time.perf_counter() - t0
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=32)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    model_dir = cached_model_dir()
-    prompts = workload(args.requests)
+def section(model_dir: Path, quick: bool, progress: Progress | None = None) -> Table:
+    """The comparison as one table (fits ``bench/engine.py``'s ``SECTIONS`` signature)."""
+    prompts = workload(12 if quick else 32)
     prompt_tokens = sum(map(len, prompts))
     generated = OUTPUT_TOKENS * len(prompts)
+    task = progress.add_task("3 agents vs one process", total=2) if progress is not None else None
     with tempfile.TemporaryDirectory() as tmp:
         procs, controls = start_agents(model_dir, Path(tmp))
         try:
+            cpu0 = sum(cpu_s(p.pid) for p in procs.values())
             agents_s = three_agents(controls, prompts)
+            agents_cpu = sum(cpu_s(p.pid) for p in procs.values()) - cpu0
         finally:
             for proc in procs.values():
                 proc.send_signal(signal.SIGTERM)
@@ -132,18 +139,35 @@ def main() -> None:
                     proc.wait(timeout=15)
                 except subprocess.TimeoutExpired:
                     proc.kill()
+    if progress is not None and task is not None:
+        progress.advance(task)
     one_process(model_dir, prompts[:2])  # warm-up
+    cpu0 = time.process_time()
     single_s = one_process(model_dir, prompts)
-    table = Table(title=f"Three agents over ZeroMQ vs one process ({len(prompts)} requests, {prompt_tokens} prompt "
-                        f"+ {generated} generated tokens, 1 torch thread per process, 2 shared cores)")
-    for col in ("setup", "wall s", "tokens/s", "generated tok/s"):
-        table.add_column(col, justify="right" if col != "setup" else "left")
-    for name, secs in (("one process, layers [0,30)", single_s), ("3 agents [0,10) [10,20) [20,30)", agents_s)):
-        table.add_row(name, f"{secs:.2f}", f"{(prompt_tokens + generated) / secs:.1f}", f"{generated / secs:.1f}")
-    console.print(table)
+    single_cpu = time.process_time() - cpu0
+    if progress is not None and task is not None:
+        progress.advance(task)
     ratio = single_s / agents_s
-    verdict = "[green]meets[/]" if ratio >= 0.7 else "[red]misses[/]"
-    console.print(f"throughput ratio agents / one process: [bold]{ratio:.2f}x[/] ({verdict} the >= 0.7x target)")
+    verdict = "meets" if ratio >= 0.7 else "MISSES"
+    table = Table(title=f"Three agents over ZeroMQ vs one process ({len(prompts)} requests, {prompt_tokens} prompt "
+                        f"+ {generated} generated tokens, 1 torch thread per process, 2 shared cores)",
+                  caption=f"throughput ratio agents / one process: {ratio:.2f}x ({verdict} the >= 0.7x target)")
+    for col in ("setup", "wall s", "tokens/s", "generated tok/s", "CPU s (all processes)"):
+        table.add_column(col, justify="right" if col != "setup" else "left")
+    rows = (("one process, layers [0,30)", single_s, single_cpu),
+            ("3 agents [0,10) [10,20) [20,30)", agents_s, agents_cpu))
+    for name, secs, cpu in rows:
+        table.add_row(name, f"{secs:.2f}", f"{(prompt_tokens + generated) / secs:.1f}", f"{generated / secs:.1f}",
+                      f"{cpu:.1f}")
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="12 requests instead of 32")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    console.print(section(cached_model_dir(), args.quick))
 
 
 if __name__ == "__main__":
