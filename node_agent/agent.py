@@ -69,6 +69,7 @@ class AgentConfig:
     # an idle engine woken by an arrival waits this long so one upstream step's messages (one per
     # request) join one step here: fewer, fuller steps (decode is memory-bound: a step streams all weights)
     gather_window_s: float = 0.003
+    torch_threads: int | None = None  # set in the engine thread too (OpenMP thread counts are per thread)
 
 
 @dataclass(slots=True)
@@ -217,6 +218,10 @@ class NodeAgent:
 
     def _engine_loop(self) -> None:
         """Iteration-level loop: apply arrivals, run one step, queue what it produced."""
+        if self.config.torch_threads is not None:
+            import torch
+
+            torch.set_num_threads(self.config.torch_threads)
         try:
             while not self._stopping:
                 while self._inbox:

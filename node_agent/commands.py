@@ -92,7 +92,7 @@ def serve_agent(*, node_id: str, layer_start: int, layer_end: int, model_dir: st
                          scheduler=SchedulerConfig(max_batch_size=max_batch_size, token_budget=token_budget,
                                                    chunk_size=chunk_size))  # fmt: skip
     config = AgentConfig(node_id=node_id, control_bind=control_bind, data_bind=data_bind, secret=secret,
-                         wire_dtype=wire_dtype, max_frame_bytes=max_frame_bytes)
+                         wire_dtype=wire_dtype, max_frame_bytes=max_frame_bytes, torch_threads=threads)
     agent = NodeAgent(config, engine)
     agent.install_signals()
     print(f"READY node={node_id} layers={layer_start}:{layer_end} control={agent.control_address} "
