@@ -92,6 +92,9 @@ class StageEngine:
         if start == 0:
             if not prompt_token_ids:
                 raise RequestError("a request starting at layer 0 needs prompt_token_ids", param="prompt_token_ids")
+            if not all(0 <= t < self.config.vocab_size for t in prompt_token_ids):
+                raise RequestError(f"prompt token ids must be in [0, {self.config.vocab_size})",
+                                   param="prompt_token_ids")
             prompt_len = len(prompt_token_ids)
         elif not prompt_len:
             raise RequestError("a request starting past layer 0 needs prompt_len", param="prompt_len")

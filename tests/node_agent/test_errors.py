@@ -75,6 +75,8 @@ def test_bad_request_shapes(tiny_llama: tuple[Path, Any]) -> None:
         engine.add_request("r", SamplingParams(), prompt_len=3, layer_range=(0, 2))
     with pytest.raises(RequestError, match="prompt_len"):
         engine.add_request("r", SamplingParams())
+    with pytest.raises(RequestError, match="token ids"):
+        StageEngine(tiny_llama[0]).add_request("r", SamplingParams(), prompt_token_ids=[1, 10_000])
     engine.add_request("r", SamplingParams(), prompt_len=3)
     import torch
 
