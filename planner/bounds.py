@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.highs_model import Model
+from planner.highs_model import Model, run
 from planner.instance import Instance
 
 MAX_CONFIGS = 6000
@@ -169,7 +169,7 @@ def configuration_lp_feasible(inst: Instance, flow: float, *, time_limit_s: floa
         for ti, t in enumerate(types):
             idx = np.array([j for j in range(m) if cols[j][ti] > 0], dtype=np.int32)
             h.addRow(-highspy.kHighsInf, float(counts[t]), len(idx), idx, np.array([cols[j][ti] for j in idx]))
-        h.run()
+        run(h)
         if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
             return None
         covered = -h.getInfo().objective_function_value

@@ -24,6 +24,7 @@ import numpy as np
 
 from helix.plan import FlowEdge
 from planner.graph import SINK, SOURCE, CapacityModel, Placement, build_graph
+from planner.highs_model import run
 
 
 def _name(v: str, coord: str) -> str:
@@ -92,7 +93,7 @@ def balanced_flows(
     hs.index_ = np.array(hindex, dtype=np.int32)
     hs.value_ = np.array(hvalue, dtype=float)
     h.passHessian(hs)
-    h.run()
+    run(h)
     x = list(h.getSolution().col_value)
     if h.getModelStatus() != highspy.HighsModelStatus.kOptimal or len(x) != n:
         from planner.graph import evaluate

@@ -71,7 +71,7 @@ class Model:
                 highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous for i in self.integer
             ]
         h.passModel(lp)
-        h.run()
+        run(h)
         status = h.getModelStatus()
         text = h.modelStatusToString(status).lower()
         info = h.getInfo()
@@ -86,6 +86,17 @@ class Model:
         obj = info.objective_function_value if has_sol else float("nan")
         bound = getattr(info, "mip_dual_bound", obj) if any(self.integer) else obj
         return Solution(status=text, x=x, objective=obj, dual_bound=bound)
+
+
+def run(h: highspy.Highs) -> None:
+    """``h.run()``; if HiGHS refuses (its process-wide scheduler pinned to another thread
+    count by an earlier solve), reset the scheduler and try once more."""
+    if h.run() != highspy.HighsStatus.kError:
+        return
+    reset = getattr(highspy.Highs, "resetGlobalScheduler", None)
+    if reset is not None:
+        reset(True)
+        h.run()
 
 
 def highs_version() -> str:
