@@ -31,23 +31,49 @@ from rich.table import Table  # noqa: E402
 from helix.plan import Plan, load_plan  # noqa: E402
 from helix.profile import load_profiles_for  # noqa: E402
 from helix.spec import load_cluster  # noqa: E402
+from planner.api import evaluate_plan, serving_estimate  # noqa: E402
 from simulator.engine import SimConfig, SimResult, simulate  # noqa: E402
 
 PAPER = ROOT / "clusters" / "helix-paper-single24"
 PAPER_MILP, PAPER_SWARM = 252.1, 124.7
 
 
+def ranking_line(est: dict[str, float | None], sim: dict[str, float]) -> str:
+    """Whether the planner's estimate orders the placements as the simulator does (Kendall-style)."""
+    names = [n for n in sim if est.get(n) is not None]
+    pairs = discordant = 0
+    bad: list[str] = []
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            pairs += 1
+            if (est[a] - est[b]) * (sim[a] - sim[b]) < 0:  # type: ignore[operator]
+                discordant += 1
+                bad.append(f"{a} vs {b}")
+    by_sim = " > ".join(sorted(names, key=lambda n: -sim[n]))
+    by_est = " > ".join(sorted(names, key=lambda n: -est[n]))  # type: ignore[operator]
+    verdict = "[green]orders agree[/]" if discordant == 0 else f"[red]orders disagree[/] ({'; '.join(bad)})"
+    tau = 1 - 2 * discordant / pairs if pairs else 1.0
+    return (f"ranking: {discordant} discordant pair(s) of {pairs} (Kendall tau {tau:+.2f}): {verdict}\n"
+            f"  simulator: {by_sim}\n  planner:   {by_est}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--planner-time-limit", type=float, default=60.0)
+    ap.add_argument("--plans-dir", type=Path, help="reuse our planner's plans saved here (saved on the first run)")
     args = ap.parse_args()
+    plans_dir: Path | None = args.plans_dir
+    if plans_dir is not None:
+        plans_dir.mkdir(parents=True, exist_ok=True)
     duration, warmup = (120.0, 60.0) if args.quick else (600.0, 60.0)
     console = Console(width=170)
     cluster = load_cluster(PAPER / "cluster.yaml")
     profiles = load_profiles_for(cluster)
-    milp = load_plan(PAPER / "reference" / "milp.json")
-    swarm_plan = load_plan(PAPER / "reference" / "swarm.json")
+    # the reference placements carry no flows: give them planner.graph's (what the router computes for
+    # a flow-less plan anyway), so the simulator and the planner's estimate read the same flows
+    milp = evaluate_plan(cluster, profiles, load_plan(PAPER / "reference" / "milp.json"))
+    swarm_plan = evaluate_plan(cluster, profiles, load_plan(PAPER / "reference" / "swarm.json"))
 
     def run(plan: Plan, router: str = "iwrr", **kw: object) -> tuple[SimResult, float]:
         t0 = time.perf_counter()
@@ -68,30 +94,49 @@ def main() -> int:
         t.add_row(name, f"{r.decode_tok_s:.1f}", f"{ref:.1f}", f"{err:+.1%}", "yes" if abs(err) <= 0.15 else "NO")
     console.print(t)
 
-    # 2. placements
+    # 2. placements: every plan carries the flows the router uses, and the planner scores each
     plans: list[tuple[str, Plan]] = [("paper MILP (reference)", milp), ("paper Swarm (reference)", swarm_plan)]
     try:
         from planner.api import make_plan
     except ImportError:
         console.print("[yellow]planner.api.make_plan is not available yet: skipping our planner's placements[/]")
     else:
-        for label, objective in (("helix planner (default objective)", "serving"), ("helix planner (max-flow objective)", "max-flow")):
+        for label, method, objective in (("helix planner (default objective)", "helix", "serving"),
+                                         ("helix planner (max-flow objective)", "helix", "max-flow"),
+                                         ("petals baseline", "petals", "serving"), ("uniform baseline", "uniform", "serving")):
+            cached = plans_dir / f"{method}-{objective}.json" if plans_dir else None
             t0 = time.perf_counter()
-            plan = make_plan(cluster, profiles, method="helix", objective=objective, time_limit_s=args.planner_time_limit, threads=1)
-            console.print(f"[dim]planned {label} in {time.perf_counter() - t0:.0f} s: max flow {plan.max_flow_tok_s:.1f}, "
-                          f"score {plan.score}[/]")
+            if cached is not None and cached.is_file():
+                plan = load_plan(cached)
+                how = f"loaded from {cached}"
+            else:
+                plan = make_plan(cluster, profiles, method=method, objective=objective,
+                                 time_limit_s=args.planner_time_limit, threads=1)
+                how = f"planned in {time.perf_counter() - t0:.0f} s"
+                if cached is not None:
+                    plan.save(cached)
+            console.print(f"[dim]{label}: {how}, max flow {plan.max_flow_tok_s:.1f}[/]")
             plans.append((label, plan))
+    console.print("[dim]flows: the reference placements get theirs from planner.api.evaluate_plan (networkx max "
+                  "flow on planner.graph); the helix plans carry the optimizer's balanced flows, the baselines "
+                  "planner.api.finish_plan's. The simulator's router and the planner's estimate read the same "
+                  "plan.flows.[/]")
+    sims: dict[str, SimResult] = {}
+    ests: dict[str, float | None] = {}
     t = Table(title="Placements, all with IWRR + KV masking (offline)")
-    for c in ("placement", "max flow", "planner decode est.", "decode tok/s", "× paper MILP", "prompt tok/s",
-              "prompt p50 s", "decode p50 s/tok"):
+    for c in ("placement", "max flow", "planner decode est.", "decode tok/s (sim)", "est ÷ sim", "× paper MILP",
+              "prompt tok/s", "prompt p50 s", "decode p50 s/tok"):
         t.add_column(c, justify="left" if c == "placement" else "right")
     for label, plan in plans:
         r = r_milp if plan is milp else run(plan)[0]
-        score = plan.score.get("decode_tok_s")  # the planner's serving-model estimate, if it made one
-        t.add_row(label, f"{plan.max_flow_tok_s:.1f}", "-" if score is None else f"{score:.1f}", f"{r.decode_tok_s:.1f}",
+        est = serving_estimate(cluster, profiles, plan)  # the default objective's serving model
+        sims[label], ests[label] = r, est
+        t.add_row(label, f"{plan.max_flow_tok_s:.1f}", "-" if est is None else f"{est:.1f}", f"{r.decode_tok_s:.1f}",
+                  "-" if est is None else f"{est / r.decode_tok_s:.2f}",
                   f"{r.decode_tok_s / r_milp.decode_tok_s:.2f}", f"{r.prompt_tok_s:.1f}",
                   f"{r.prompt_latency_s['p50']:.2f}", f"{r.decode_latency_s['p50']:.3f}")
     console.print(t)
+    console.print(ranking_line(ests, {k: v.decode_tok_s for k, v in sims.items()}))
 
     # 3. routing on the MILP placement
     t = Table(title="Routing on the paper's MILP placement (offline)")
