@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from helix.errors import ConfigError, InfeasiblePlanError
 from helix.loading import load_model
-from helix.spec import ClusterSpec
+from helix.spec import ClusterSpec, NodeSpec
 
 AZURE_MEAN_PROMPT_TOKENS = 763
 AZURE_MEAN_OUTPUT_TOKENS = 232
@@ -149,6 +149,11 @@ def derive_tok_s(
     return out
 
 
+def node_max_layers(node: NodeSpec, tp: ThroughputProfile) -> int:
+    """The most layers a node may hold: its GPU profile's limit, or the node's own lower cap."""
+    return tp.max_layers if node.max_layers is None else min(tp.max_layers, node.max_layers)
+
+
 def load_profile_file(path: str | Path) -> ProfileSet:
     return load_model(ProfileSet, path)
 
@@ -179,7 +184,7 @@ def check_profiles(cluster: ClusterSpec, profiles: ProfileSet) -> None:
                 field=f"nodes[{i}].gpu",
             )
     num_layers = profiles.models[cluster.model].num_layers
-    total = sum(profiles.throughput(n.gpu, cluster.model).max_layers for n in cluster.nodes)
+    total = sum(node_max_layers(n, profiles.throughput(n.gpu, cluster.model)) for n in cluster.nodes)
     if total < num_layers:
         raise InfeasiblePlanError(
             f"{src}: model {cluster.model!r} has {num_layers} layers but all nodes together hold at most {total}"

@@ -37,6 +37,14 @@ class NodeSpec(_Strict):
     gpu: str = Field(min_length=1)
     region: str | None = None
     address: str | None = None
+    max_layers: int | None = Field(
+        default=None, gt=0, description="hold at most this many layers (below the GPU profile's limit)"
+    )
+
+    @property
+    def kind(self) -> str:
+        """Nodes of the same kind (GPU type and layer cap) are interchangeable for the planner."""
+        return self.gpu if self.max_layers is None else f"{self.gpu}<={self.max_layers}"
 
 
 class LinkParams(_Strict):

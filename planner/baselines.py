@@ -103,11 +103,12 @@ def swarm(cap: CapacityModel) -> Placement:
     return placement
 
 
-def _gpu_groups(cap: CapacityModel, gpu_of: dict[str, str] | None) -> dict[str, list[str]]:
-    groups: dict[str, list[str]] = defaultdict(list)
+def _gpu_groups(cap: CapacityModel, gpu_of: dict[str, str] | None) -> dict[tuple[str, int], list[str]]:
+    """Interchangeable nodes: same GPU type (or capacity table) and the same layer limit."""
+    groups: dict[tuple[str, int], list[str]] = defaultdict(list)
     for node in cap.node_tok_s:
-        key = gpu_of[node] if gpu_of else f"{cap.max_layers[node]}:{cap.node_tok_s[node]!r}"
-        groups[key].append(node)
+        kind = gpu_of[node] if gpu_of else f"{cap.node_tok_s[node]!r}"
+        groups[(kind, cap.max_layers[node])].append(node)
     return groups
 
 
@@ -117,8 +118,7 @@ def separate(cap: CapacityModel, gpu_of: dict[str, str] | None = None) -> Placem
     num = cap.num_layers
     placement: Placement = {}
     why: list[str] = []
-    for gpu, nodes in sorted(_gpu_groups(cap, gpu_of).items()):
-        limit = cap.max_layers[nodes[0]]
+    for (gpu, limit), nodes in sorted(_gpu_groups(cap, gpu_of).items()):
         need = -(-num // limit)
         pipes = len(nodes) // need
         if pipes == 0:

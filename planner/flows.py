@@ -23,12 +23,8 @@ import networkx as nx
 import numpy as np
 
 from helix.plan import FlowEdge
-from planner.graph import SINK, SOURCE, CapacityModel, Placement, build_graph
+from planner.graph import SINK, SOURCE, CapacityModel, Placement, build_graph, flow_edges
 from planner.highs_model import run
-
-
-def _name(v: str, coord: str) -> str:
-    return coord if v.startswith("__") else v.rsplit("/", 1)[0]
 
 
 def balanced_flows(
@@ -101,13 +97,6 @@ def balanced_flows(
         res = evaluate(cap, placement, partial_handoffs=partial_handoffs, with_cut=False)
         return res.max_flow_tok_s, res.flows
     coord = cap.coordinator
-    out: list[FlowEdge] = []
-    for j, (u, v, _) in enumerate(edges):
-        f = max(0.0, x[j])
-        if f <= 1e-9 * value or u in (SOURCE, "__nic_in__") or v in (SINK, "__nic_out__"):
-            continue
-        if u.endswith("/in") and v.endswith("/out") and u[:-3] == v[:-4]:
-            continue
-        out.append(FlowEdge(src=_name(u, coord), dst=_name(v, coord), tok_s=f))
+    out = flow_edges(((u, v, max(0.0, x[j])) for j, (u, v, _) in enumerate(edges)), coord, min_tok_s=1e-9 * value)
     total = sum(e.tok_s for e in out if e.src == coord)
     return total, out

@@ -17,12 +17,13 @@ bottleneck.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import networkx as nx
 
 from helix.plan import FlowEdge
-from helix.profile import ProfileSet
+from helix.profile import ProfileSet, node_max_layers
 from helix.spec import ClusterSpec
 from helix.units import link_tokens_per_s
 
@@ -58,8 +59,8 @@ class CapacityModel:
             tp = profiles.throughput(node.gpu, cluster.model)
             if node.gpu not in tables:
                 tables[node.gpu] = tp.tok_s_table(model)
-            node_tok_s[node.id] = tables[node.gpu]
-            max_layers[node.id] = tp.max_layers
+            max_layers[node.id] = node_max_layers(node, tp)
+            node_tok_s[node.id] = tables[node.gpu][: max_layers[node.id]]
         resolved = cluster.resolved_links()
         return cls(
             coordinator=cluster.coordinator.id,
@@ -136,21 +137,26 @@ def _vertex_name(v: str, coord: str) -> str:
     return v.rsplit("/", 1)[0]
 
 
+def flow_edges(edge_flows: Iterable[tuple[str, str, float]], coordinator: str, *, min_tok_s: float = 0.0) -> list[FlowEdge]:
+    """Graph-edge flows as the plan's edges: links between nodes and to/from the coordinator
+    (a node's own compute edge and the coordinator's NIC edges are not links)."""
+    edges: list[FlowEdge] = []
+    for u, v, f in edge_flows:
+        if f <= min_tok_s or (u == SOURCE and v == _NIC_OUT) or (u == _NIC_IN and v == SINK):
+            continue
+        if u.endswith("/in") and v.endswith("/out") and u[:-3] == v[:-4]:
+            continue
+        edges.append(FlowEdge(src=_vertex_name(u, coordinator), dst=_vertex_name(v, coordinator), tok_s=float(f)))
+    return edges
+
+
 def evaluate(
     cap: CapacityModel, placement: Placement, *, partial_handoffs: bool = True, with_cut: bool = True
 ) -> FlowResult:
     """Max flow of a placement, the flow on every node-to-node edge, and the min cut."""
     g = build_graph(cap, placement, partial_handoffs=partial_handoffs)
     value, flow = nx.maximum_flow(g, SOURCE, SINK, flow_func=nx.algorithms.flow.preflow_push)
-    coord = cap.coordinator
-    edges: list[FlowEdge] = []
-    for u, outs in flow.items():
-        for v, f in outs.items():
-            if f <= 0 or (u == SOURCE and v == _NIC_OUT) or (u == _NIC_IN and v == SINK):
-                continue  # the coordinator's NIC edges; its links are reported below
-            if u.endswith("/in") and v.endswith("/out") and u[:-3] == v[:-4]:
-                continue  # the node's own compute edge
-            edges.append(FlowEdge(src=_vertex_name(u, coord), dst=_vertex_name(v, coord), tok_s=float(f)))
+    edges = flow_edges(((u, v, f) for u, outs in flow.items() for v, f in outs.items()), cap.coordinator)
     bottleneck = min_cut_description(g, cap) if with_cut and value > 0 else []
     return FlowResult(max_flow_tok_s=float(value), flows=edges, bottleneck=bottleneck)
 

@@ -4,7 +4,7 @@
 ``planner.graph.CapacityModel``) and holds everything the search needs as plain lists, so the
 inner loops never touch pydantic objects:
 
-* per GPU type: ``tok_s[k-1]`` (the paper's node capacity ``T(k)``), ``max_layers``,
+* per GPU type (nodes with their own ``max_layers`` cap form a type of their own): ``tok_s[k-1]`` (the paper's node capacity ``T(k)``), ``max_layers``,
   ``kv_entries[k-1]`` (KV entries - one token in one layer - that fit next to ``k`` layers;
   from ``kv_capacity_tokens_by_layers`` or, when absent, from VRAM minus weights) and the
   per-layer decode/prefill latency curves when the profile has them;
@@ -57,10 +57,12 @@ class Instance:
         cap = CapacityModel.build(cluster, profiles)
         model = profiles.models[cluster.model]
         gpus: dict[str, GpuType] = {}
+        type_of = {n.id: n.kind for n in cluster.nodes}
         for node in cluster.nodes:
-            if node.gpu in gpus:
+            if type_of[node.id] in gpus:
                 continue
             tp = profiles.throughput(node.gpu, cluster.model)
+            top = cap.max_layers[node.id]
             if tp.kv_capacity_tokens_by_layers is not None:
                 kv = [float(x) for x in tp.kv_capacity_tokens_by_layers]
             else:
@@ -69,21 +71,21 @@ class Instance:
                     max(0.0, vram - k * model.layer_weight_bytes) / model.kv_bytes_per_token_per_layer
                     for k in range(1, tp.max_layers + 1)
                 ]
-            gpus[node.gpu] = GpuType(
-                name=node.gpu,
-                max_layers=tp.max_layers,
+            gpus[type_of[node.id]] = GpuType(
+                name=type_of[node.id],
+                max_layers=top,
                 tok_s=cap.node_tok_s[node.id],
-                kv_entries=kv,
+                kv_entries=kv[:top],
                 decode_ms=[(float(b), float(ms)) for b, ms in tp.decode_ms_per_layer] if tp.decode_ms_per_layer else None,
                 prefill_ms=[(float(t), float(ms)) for t, ms in tp.prefill_ms_per_layer] if tp.prefill_ms_per_layer else None,
-                decode_max_batch=list(tp.decode_max_tokens_by_layers) if tp.decode_max_tokens_by_layers else None,
+                decode_max_batch=list(tp.decode_max_tokens_by_layers[:top]) if tp.decode_max_tokens_by_layers else None,
             )
         inst = cls(
             cap=cap,
             num_layers=cap.num_layers,
             coordinator=cap.coordinator,
             nodes=[n.id for n in cluster.nodes],
-            gpu_of={n.id: n.gpu for n in cluster.nodes},
+            gpu_of=type_of,
             region_of={n.id: n.region for n in cluster.nodes},
             gpus=gpus,
         )

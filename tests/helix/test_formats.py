@@ -157,3 +157,24 @@ def test_plan_file_errors_name_field(tmp_path: Path) -> None:
     p.write_text("{not json")
     with pytest.raises(ConfigError, match="plan.json: not valid JSON"):
         load_plan(p)
+
+
+def test_node_layer_cap_limits_planning(tmp_path: Path) -> None:
+    from planner.graph import CapacityModel
+    from planner.instance import Instance
+
+    c = base_cluster()
+    c["nodes"][1]["max_layers"] = 2
+    spec = load_cluster(write_cluster(tmp_path, c))
+    profiles = load_profiles_for(spec)
+    cap = CapacityModel.build(spec, profiles)
+    assert cap.max_layers == {"a": 4, "b": 2} and cap.node_tok_s["b"] == [400, 200]
+    inst = Instance.build(spec, profiles)
+    assert inst.max_layers("b") == 2 and inst.gpu_of == {"a": "G", "b": "G<=2"}
+    c["nodes"] = [{"id": "a", "gpu": "G", "max_layers": 3}]
+    c["links"] = []
+    with pytest.raises(InfeasiblePlanError, match="at most 3"):
+        load_profiles_for(load_cluster(write_cluster(tmp_path, c)))
+    c["nodes"][0]["max_layers"] = 0
+    with pytest.raises(ConfigError, match=r"nodes\[0\].max_layers"):
+        load_cluster(write_cluster(tmp_path, c))

@@ -22,6 +22,7 @@ def survives_any_single_loss(cap: CapacityModel, placement: dict[str, tuple[int,
 def test_demo_cluster_shape() -> None:
     cluster, profiles = load(DEMO)
     assert len(cluster.nodes) == 3 and {n.gpu for n in cluster.nodes} == {"cpu"}
+    assert [n.max_layers for n in cluster.nodes] == [None, 16, 16]  # the small two must form a pipeline
     assert all(n.address and n.address.startswith("tcp://127.0.0.1:") for n in cluster.nodes)
     model = profiles.models["smollm2-135m"]
     assert (model.num_layers, model.hidden_size) == (30, 576)
@@ -38,6 +39,8 @@ def test_demo_plan_survives_losing_any_agent(method: str, objective: str) -> Non
     plan = make_plan(cluster, profiles, method=method, objective=objective, time_limit_s=5, threads=1)
     cap = CapacityModel.build(cluster, profiles)
     assert survives_any_single_loss(cap, dict(plan.placement)), plan.placement
+    assert all(e - s <= 16 for n, (s, e) in plan.placement.items() if n != "cpu-0")
+    assert len({(s, e) for s, e in plan.placement.values()}) == 3, "the model is split, not copied"
 
 
 def test_geo_uses_defaults_and_slow_inter_region_links() -> None:
