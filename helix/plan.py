@@ -80,6 +80,15 @@ class Plan(BaseModel):
             p.write_text(self.to_json() + "\n")
 
 
+def node_inflow(flows: list[FlowEdge], coordinator: str) -> dict[str, float]:
+    """tokens/s entering each node (the flow through it), from a plan's edge flows."""
+    through: dict[str, float] = defaultdict(float)
+    for edge in flows:
+        if edge.dst != coordinator:
+            through[edge.dst] += edge.tok_s
+    return dict(through)
+
+
 def check_plan(
     plan: Plan,
     *,

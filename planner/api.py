@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import inspect
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +22,12 @@ from helix.spec import ClusterSpec
 from planner import baselines
 from planner.graph import CapacityModel, Placement, check_flows, evaluate
 from planner.metrics import placement_stats
+from planner.progress import ProgressFn
 
 METHODS = ("helix", "paper-milp", *baselines.BASELINES)
 OBJECTIVES = ("serving", "max-flow")
 NETWORK_FREE = "network-free (sum_i max_k k*T_i(k) / L)"
 
-ProgressFn = Callable[[Any], None]
 
 
 def network_free_bound(cap: CapacityModel) -> float:

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from helix.errors import ConfigError, HelixError
-from helix.plan import Plan
+from helix.plan import Plan, node_inflow
 from helix.profile import ProfileSet, load_profiles_for
 from helix.spec import ClusterSpec, load_cluster
 from planner.api import (
@@ -142,10 +142,7 @@ def run_plan(args: argparse.Namespace) -> int:
 def print_plan(console: Console, plan: Plan, cluster: ClusterSpec, profiles: ProfileSet) -> None:
     cap = CapacityModel.build(cluster, profiles)
     gpu = {n.id: n.gpu for n in cluster.nodes}
-    through: dict[str, float] = {}
-    for edge in plan.flows:
-        if edge.dst != cluster.coordinator.id:
-            through[edge.dst] = through.get(edge.dst, 0.0) + edge.tok_s
+    through = node_inflow(plan.flows, cluster.coordinator.id)
     table = Table(title=f"{plan.cluster} · {plan.model} · method {plan.method}")
     for col in ("node", "GPU", "layers", "#", "flow tok/s", "capacity tok/s", "util"):
         table.add_column(col, justify="right" if col not in ("node", "GPU", "layers") else "left")
@@ -240,41 +237,10 @@ def run_show(args: argparse.Namespace) -> int:
     plan = load_checked_plan(args.plan, cluster, profiles)
     if not plan.flows:
         plan = evaluate_plan(cluster, profiles, plan, partial_handoffs=plan.partial_handoffs)
-    draw_plan(plan, cluster, profiles, Path(args.png))
-    Console(highlight=False).print(f"wrote [bold]{args.png}[/]")
-    return 0
-
-
-def draw_plan(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, out: Path) -> None:
-    """Layer ranges per node as horizontal bars over the model's layers, shaded by utilization."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from planner.viz import save_plan_png
     except ImportError as exc:  # pragma: no cover - matplotlib is a test/extra dependency
         raise HelixError(f"helix show needs matplotlib ({exc})") from None
-    cap = CapacityModel.build(cluster, profiles)
-    gpu = {n.id: n.gpu for n in cluster.nodes}
-    through: dict[str, float] = {}
-    for edge in plan.flows:
-        if edge.dst != cluster.coordinator.id:
-            through[edge.dst] = through.get(edge.dst, 0.0) + edge.tok_s
-    stages = plan.stages()
-    colors = {g: matplotlib.colormaps["tab10"](i) for i, g in enumerate(sorted(set(gpu.values())))}
-    fig, ax = plt.subplots(figsize=(10, max(3.0, 0.3 * len(stages) + 1.5)))
-    for row, (node, s, e) in enumerate(stages):
-        c = cap.node_capacity(node, e - s)
-        util = through.get(node, 0.0) / c if c else 0.0
-        ax.barh(row, e - s, left=s, color=colors[gpu[node]], alpha=0.35 + 0.65 * min(1.0, util), edgecolor="black")
-        ax.text(e + 0.3, row, f"{through.get(node, 0.0):.0f}/{c:.0f} tok/s", va="center", fontsize=7)
-    ax.set_yticks(range(len(stages)), [f"{n} ({gpu[n]})" for n, _, _ in stages], fontsize=7)
-    ax.invert_yaxis()
-    ax.set_xlim(0, cap.num_layers * 1.15)
-    ax.set_xlabel("layer")
-    ax.set_title(f"{plan.cluster}: {plan.method}, max flow {plan.max_flow_tok_s:.1f} tok/s (opacity = utilization)")
-    handles = [matplotlib.patches.Patch(color=col, label=g) for g, col in colors.items()]
-    ax.legend(handles=handles, loc="lower right", fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    save_plan_png(plan, cluster, profiles, Path(args.png))
+    Console(highlight=False).print(f"wrote [bold]{args.png}[/]")
+    return 0

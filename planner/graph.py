@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from helix.plan import FlowEdge
+from helix.plan import FlowEdge, node_inflow
 from helix.profile import ProfileSet, node_max_layers
 from helix.spec import ClusterSpec
 from helix.units import link_tokens_per_s
@@ -190,7 +190,6 @@ def check_flows(cap: CapacityModel, placement: Placement, flows: list[FlowEdge],
     from helix.errors import ConfigError
 
     coord = cap.coordinator
-    through: dict[str, float] = {}
     for i, e in enumerate(flows):
         if e.src == coord:
             c = cap.token_link_tok_s(coord, e.dst) if placement.get(e.dst, (1, 1))[0] == 0 else None
@@ -204,9 +203,7 @@ def check_flows(cap: CapacityModel, placement: Placement, flows: list[FlowEdge],
             raise ConfigError(f"flow on {e.src} -> {e.dst}, which is not a valid edge of this placement", field=f"flows[{i}]")
         if e.tok_s > c * (1 + 1e-6):
             raise ConfigError(f"flow {e.tok_s:.6g} on {e.src} -> {e.dst} exceeds its capacity {c:.6g}", field=f"flows[{i}]")
-        if e.dst != coord:
-            through[e.dst] = through.get(e.dst, 0.0) + e.tok_s
-    for node, f in through.items():
+    for node, f in node_inflow(flows, coord).items():
         start, end = placement[node]
         c = cap.node_capacity(node, end - start)
         if f > c * (1 + 1e-6):

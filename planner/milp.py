@@ -38,7 +38,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -47,23 +46,13 @@ import pulp
 from helix.errors import ConfigError, InfeasiblePlanError
 from helix.units import link_tokens_per_s
 from planner.graph import CapacityModel, Placement, evaluate
+from planner.progress import Progress, ProgressFn
 
 log = logging.getLogger(__name__)
 
 SOLVERS = ("highs", "cbc", "gurobi")
 
 
-@dataclass(slots=True)
-class Progress:
-    """One progress report of a running solve (tokens/s; ``None`` when not known yet)."""
-
-    incumbent_tok_s: float | None
-    bound_tok_s: float | None
-    elapsed_s: float
-    message: str = ""
-
-
-ProgressFn = Callable[[Progress], None]
 
 
 @dataclass(slots=True)

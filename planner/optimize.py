@@ -32,17 +32,12 @@ from planner.flows import balanced_flows
 from planner.highs_model import highs_version
 from planner.instance import Instance, Placement
 from planner.local_search import Evaluator, Scored, improve
+from planner.progress import Progress
 from planner.serving_model import ServingModel, Workload
 
 OPTIMAL_TOL = 1e-4
 
 
-@dataclass(slots=True)
-class Progress:
-    incumbent_tok_s: float | None
-    bound_tok_s: float | None
-    elapsed_s: float
-    message: str = ""
 
 
 @dataclass(slots=True)

@@ -20,7 +20,7 @@ from typing import Any
 
 import networkx as nx
 
-from helix.plan import Plan
+from helix.plan import Plan, node_inflow
 from helix.profile import ProfileSet
 from helix.spec import ClusterSpec
 from planner.graph import SINK, SOURCE, CapacityModel, build_graph
@@ -51,10 +51,7 @@ def plan_view(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet) -> PlanVie
     """Flows per node, capacities and the min cut of ``plan`` (which should carry its flows)."""
     cap = CapacityModel.build(cluster, profiles)
     coord = cluster.coordinator.id
-    through: dict[str, float] = {}
-    for e in plan.flows:
-        if e.dst != coord:
-            through[e.dst] = through.get(e.dst, 0.0) + e.tok_s
+    through = node_inflow(plan.flows, coord)
     capacity = {n: cap.node_capacity(n, e - s) for n, (s, e) in plan.placement.items()}
     cut_nodes: set[str] = set()
     cut_links: set[tuple[str, str]] = set()
