@@ -151,8 +151,8 @@ def configuration_lp_feasible(inst: Instance, flow: float, *, time_limit_s: floa
     cols: list[list[float]] = []  # a_{t,c} per type
     # start with single-kind columns that cover alone or with repeats (always valid configs)
     for t, k in kinds:
-        h = inst.gpus[t].tok_s[k - 1]
-        reps = math.ceil(flow / h - 1e-12)
+        height = inst.gpus[t].tok_s[k - 1]
+        reps = math.ceil(flow / height - 1e-12)
         if reps <= counts[t]:
             cols.append([reps / k if tt == t else 0.0 for tt in types])
     if not cols:

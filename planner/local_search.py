@@ -145,25 +145,20 @@ def improve(
         for node in rng.sample(nodes, min(6, len(nodes))):
             others = [n for n in nodes if n != node]
             cand.extend((node, r) for r in _moves(inst, cur.placement, node, rng, others))
+        swap: Placement | None = None  # exchange two nodes' ranges (the "" candidate)
         if len(nodes) > 1 and rng.random() < 0.5:
             a, b = rng.sample(nodes, 2)
             ra, rb = cur.placement[a], cur.placement[b]
             if rb[1] - rb[0] <= inst.max_layers(a) and ra[1] - ra[0] <= inst.max_layers(b):
-                pl = dict(cur.placement)
-                pl[a], pl[b] = rb, ra
+                swap = dict(cur.placement)
+                swap[a], swap[b] = rb, ra
                 cand.append(("", (0, 0)))
-                swap = pl
-            else:
-                swap = None
-        else:
-            swap = None
         for node, rng_ in cand:
             if time.monotonic() >= deadline:
                 break
             if node == "":
+                assert swap is not None
                 pl = swap
-                if pl is None:
-                    continue
             else:
                 pl = dict(cur.placement)
                 pl[node] = rng_

@@ -151,9 +151,11 @@ def optimize(
             if sum(sub.max_layers(n) for n in sub.nodes) < inst.num_layers:
                 continue
             sub_hi = min(coarse, bounds.area_bound(sub))
-            got = stage_candidates(sub, deadline=time.monotonic() + 0.05 * time_limit_s, lo=0.0, hi=sub_hi, serving=False)
-            if got:
-                per_region.update(got[0])
+            region_plans = stage_candidates(
+                sub, deadline=time.monotonic() + 0.05 * time_limit_s, lo=0.0, hi=sub_hi, serving=False
+            )
+            if region_plans:
+                per_region.update(region_plans[0])
         if per_region:
             for n in inst.nodes:  # nodes of regions that cannot hold the model: copy a neighbour range
                 if n not in per_region:
