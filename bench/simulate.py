@@ -4,11 +4,17 @@ On ``clusters/helix-paper-single24`` (LLaMA-2 70B, offline, 60 s warm-up + 600 s
 
 1. fidelity: the paper's MILP placement with IWRR vs the paper's 252.1 decode tok/s, and
    Swarm's placement with Swarm routing (180 requests in flight, the paper's setting) vs 124.7;
-2. placements with IWRR: the paper's MILP, our planner's default (``make_plan(method="helix")``)
-   and the pure max-flow objective, with their prompt/decode latencies;
-3. routing on the MILP placement: IWRR + KV masking vs random (at the KV-bound concurrency and
-   saturated), shortest queue and Swarm-style, with preemptions and peak KV;
-4. peak KV per node; throughput over time (steady state); speed and memory.
+2. placements with IWRR: the paper's MILP and Swarm, our planner's default
+   (``make_plan(method="helix")``), the pure max-flow objective, the petals and uniform
+   baselines, with their latencies, the planner's serving estimate for each and whether the
+   estimate ranks them as the simulator does (discordant pairs);
+3. routing on the MILP placement and on our default placement, like for like: every router gets
+   the same coordinator admission (the offline feeder on the coordinator's KV estimate,
+   ``router.kv``); only the next hop differs (IWRR over the flows with watermark masking vs
+   uniform random among valid hops, shortest queue, Swarm-style). Fixed-concurrency runs
+   (an oracle's KV-bound count, and 900) are extra sensitivity rows;
+4. peak KV per node (true and the router's estimate, IWRR and random); throughput over time
+   (steady state); speed and memory.
 
 Run: ``.venv/bin/python bench/simulate.py`` (``--quick`` for a 120 s window).
 """
@@ -32,7 +38,7 @@ from helix.plan import Plan, load_plan  # noqa: E402
 from helix.profile import load_profiles_for  # noqa: E402
 from helix.spec import load_cluster  # noqa: E402
 from planner.api import evaluate_plan, serving_estimate  # noqa: E402
-from simulator.engine import SimConfig, SimResult, simulate  # noqa: E402
+from simulator.engine import SimConfig, SimResult, Simulation, simulate  # noqa: E402
 
 PAPER = ROOT / "clusters" / "helix-paper-single24"
 PAPER_MILP, PAPER_SWARM = 252.1, 124.7
@@ -138,29 +144,52 @@ def main() -> int:
     console.print(t)
     console.print(ranking_line(ests, {k: v.decode_tok_s for k, v in sims.items()}))
 
-    # 3. routing on the MILP placement
-    t = Table(title="Routing on the paper's MILP placement (offline)")
-    for c in ("router", "in flight", "decode tok/s", "IWRR ÷ this", "preemptions", "max KV peak (true)", "decode p50 s/tok"):
-        t.add_column(c, justify="left" if c == "router" else "right")
-    rows = [("IWRR + KV masking", r_milp, "KV-fed")]
-    for label, router, kw in (("random (KV-bound concurrency)", "random", {}),
-                              ("random (saturated, 900)", "random", {"max_inflight": 900}),
-                              ("shortest queue", "shortest-queue", {}), ("swarm-style", "swarm", {})):
-        r = run(milp, router, **kw)[0]
-        rows.append((label, r, str(r.max_inflight)))
-    for label, r, infl in rows:
-        t.add_row(label, infl, f"{r.decode_tok_s:.1f}", f"{r_milp.decode_tok_s / r.decode_tok_s:.2f}", str(r.preemptions),
-                  f"{max(r.kv_peak_fraction.values()):.0%}", f"{r.decode_latency_s['p50']:.3f}")
-    console.print(t)
+    # 3. routing: the same coordinator admission (the KV feeder on router.kv's estimate) for every
+    # router, only the next-hop choice differs; fixed-concurrency runs are sensitivity rows
+    routing_on = [("paper MILP", milp, r_milp)]
+    default_plan = next((p for label, p in plans if "default objective" in label), None)
+    if default_plan is not None:
+        routing_on.append(("helix default", default_plan, sims["helix planner (default objective)"]))
+    random_runs: dict[str, SimResult] = {}
+    for pname, plan, r_iwrr in routing_on:
+        oracle = Simulation(cluster, profiles, plan, SimConfig()).kv_bound_inflight()
+        t = Table(title=f"Routing on the {pname} placement (offline)")
+        for c in ("router", "admission", "mean in flight", "decode tok/s", "IWRR ÷ this", "preemptions",
+                  "max KV peak (true)", "prompt p50 s", "decode p50 s/tok"):
+            t.add_column(c, justify="left" if c in ("router", "admission") else "right")
+        rows: list[tuple[str, str, SimResult]] = [("IWRR + KV masking", "KV feeder", r_iwrr)]
+        for label, router in (("random (no masking)", "random"), ("shortest queue", "shortest-queue"),
+                              ("swarm-style", "swarm")):
+            r = run(plan, router)[0]
+            rows.append((label, "KV feeder", r))
+            if router == "random":
+                random_runs[pname] = r
+        fixed = [("IWRR + KV masking", "iwrr", oracle), ("random (no masking)", "random", oracle)]
+        if plan is milp:  # overload thrashes (preempt, re-prefill) and is slow to simulate: one placement only
+            fixed.append(("random (no masking)", "random", 900))
+        for label, router, n in fixed:
+            rows.append((label, f"fixed {n} (sensitivity)", run(plan, router, max_inflight=n)[0]))
+        for label, adm, r in rows:
+            t.add_row(label, adm, f"{r.extra.get('mean_inflight', float('nan')):.0f}", f"{r.decode_tok_s:.1f}",
+                      f"{r_iwrr.decode_tok_s / r.decode_tok_s:.2f}", str(r.preemptions),
+                      f"{max(r.kv_peak_fraction.values()):.0%}", f"{r.prompt_latency_s['p50']:.2f}",
+                      f"{r.decode_latency_s['p50']:.3f}")
+        console.print(t)
+        console.print(f"[dim]fixed {oracle} = requests of expected length the fullest layer's KV holds at "
+                      f"feed_hwm (an oracle's choice no real router makes)[/]")
 
-    # 4. KV peaks and steady state
-    t = Table(title="Peak KV per node, paper MILP + IWRR (fraction of capacity)")
-    for c in ("node", "layers", "true peak", "router estimate peak", "utilization"):
-        t.add_column(c, justify="left" if c == "node" else "right")
-    for node, (s, e) in sorted(milp.placement.items(), key=lambda x: (x[1][0], x[0])):
-        t.add_row(node, f"[{s},{e})", f"{r_milp.kv_peak_fraction[node]:.0%}",
-                  f"{r_milp.kv_estimate_peak_fraction.get(node, 0):.0%}", f"{r_milp.node_utilization[node]:.0%}")
-    console.print(t)
+    # 4. KV peaks (true use never passes capacity: the nodes preempt instead) and steady state
+    for pname, plan, r_iwrr in routing_on:
+        r_rand = random_runs[pname]
+        t = Table(title=f"Peak KV per node, {pname} placement, KV feeder (fraction of the node's KV capacity)")
+        for c in ("node", "layers", "IWRR true peak", "IWRR router estimate peak", "IWRR utilization",
+                  "random true peak", "random router estimate peak"):
+            t.add_column(c, justify="left" if c == "node" else "right")
+        for node, (s, e) in sorted(plan.placement.items(), key=lambda x: (x[1][0], x[0])):
+            t.add_row(node, f"[{s},{e})", f"{r_iwrr.kv_peak_fraction[node]:.0%}",
+                      f"{r_iwrr.kv_estimate_peak_fraction.get(node, 0):.0%}", f"{r_iwrr.node_utilization[node]:.0%}",
+                      f"{r_rand.kv_peak_fraction[node]:.0%}", f"{r_rand.kv_estimate_peak_fraction.get(node, 0):.0%}")
+        console.print(t)
     series = r_milp.throughput_over_time
     console.print("decode tok/s over time (10 s buckets), paper MILP + IWRR: "
                   + " ".join(f"{v:.0f}" for _, v in series))

@@ -26,7 +26,7 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=float, default=60.0, help="simulated seconds before measuring")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--watermark", type=float, default=0.85, help="KV high watermark for masking")
-    p.add_argument("--max-inflight", type=int, help="offline baselines: requests kept in flight (default: KV bound)")
+    p.add_argument("--max-inflight", type=int, help="offline: keep N requests in flight instead of the KV feeder (sensitivity runs)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
 

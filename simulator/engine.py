@@ -6,10 +6,13 @@ Model (documented with its calibration in ``docs/simulator.md``):
   :class:`router.policy.Router` for ``iwrr``), sends every iteration's input to the first
   stage and receives the sampled token from the last; after each token it applies the stop
   condition (the request's output length) and sends the next decode step down the *same*
-  pipeline. Offline mode keeps the cluster saturated like the paper's feeder: it starts with
-  ``offline_initial`` requests and, whenever a prompt or a request finishes, admits one more
-  while the router's KV bottleneck (fullest layer) is at most ``feed_hwm``; baselines, which
-  cannot refuse a request, keep a fixed number in flight (``max_inflight``).
+  pipeline. Offline mode keeps the cluster saturated like the paper's feeder, the same for
+  every router: it starts with ``offline_initial`` requests and, whenever a prompt or a
+  request finishes, admits one more while the coordinator's KV estimate
+  (:class:`router.kv.KVEstimator`, which holds every admitted request's reservation whatever
+  chose its next hops) says the fullest layer is at most ``feed_hwm``. Only the next-hop
+  choice differs between routers. ``max_inflight`` replaces that feeder by a fixed number of
+  requests in flight (a sensitivity setting; the paper ran Swarm at 180).
 * **Nodes.** Iteration-level batching (Orca): when idle, a node takes queued requests FIFO —
   prefills up to ``prompt_max_tokens`` tokens, decodes up to ``decode_max_tokens`` requests —
   and runs one iteration of ``sum over its layers of prefill_ms(prefill tokens on that layer)
@@ -61,7 +64,7 @@ class SimConfig:
     expected_output_tokens: float = 232.0
     feed_hwm: float = 0.8
     offline_initial: int = 20
-    max_inflight: int | None = None  # baselines offline; None: the KV-bound estimate
+    max_inflight: int | None = None  # offline: None = the KV feeder (every router); N = keep N in flight
     num_requests: int | None = None  # stop issuing after this many and drain (tests)
     kv_report_interval_s: float = 1.0
     iteration_overhead_ms: float = 0.0
@@ -136,7 +139,7 @@ class SimResult:
     finished_requests: int
     admitted_requests: int
     preemptions: int
-    max_inflight: int
+    max_inflight: int | None  # None: KV-fed
     node_utilization: dict[str, float]
     kv_peak_fraction: dict[str, float]
     kv_estimate_peak_fraction: dict[str, float]
@@ -164,6 +167,7 @@ class SimResult:
             "kv_estimate_peak_fraction": self.kv_estimate_peak_fraction,
             "throughput_over_time": self.throughput_over_time,
             "events": self.events,
+            **self.extra,
         }
 
 
@@ -237,13 +241,16 @@ class Simulation:
         self.decode_lat: list[float] = []
         self.finished = 0
         self.preemptions = 0
+        self.inflight_samples: list[int] = []  # requests in flight at every KV report in the window
         self.buckets = [0] * (int(math.ceil(t1 / config.bucket_s)) + 2)
-        self.cap_inflight = self._default_max_inflight() if config.max_inflight is None else config.max_inflight
+        self.cap_inflight = config.max_inflight  # None: the KV feeder admits
+        self.kv_fed = config.mode == "offline" and config.max_inflight is None
 
     # -- helpers ------------------------------------------------------------------------------
 
-    def _default_max_inflight(self) -> int:
-        """Requests the fullest layer's KV holds at ``feed_hwm`` with the expected length."""
+    def kv_bound_inflight(self) -> int:
+        """Requests the fullest layer's KV holds at ``feed_hwm`` with the expected length (an
+        oracle's fixed concurrency, for sensitivity runs; no real router knows it)."""
         per_layer = [0.0] * self.num_layers
         for n in self.nodes.values():
             for layer in range(n.start, n.end):
@@ -281,17 +288,17 @@ class Simulation:
     def _admit(self, budget: int | None = None) -> None:
         cfg = self.cfg
         router = self.router
-        iwrr = cfg.router == "iwrr"
         offline = cfg.mode == "offline"
+        kv_fed = self.kv_fed
         groups: dict[str, list[_Req]] = {}
         while True:
             if offline:
                 self._offline_backlog()
             if not self.waiting or budget == 0:
                 break
-            if offline and not iwrr and self.inflight >= self.cap_inflight:
+            if offline and not kv_fed and self.inflight >= (self.cap_inflight or 0):
                 break
-            if offline and iwrr and router.kv.bottleneck_usage(self.placement, self.num_layers) > cfg.feed_hwm:
+            if kv_fed and router.kv.bottleneck_usage(self.placement, self.num_layers) > cfg.feed_hwm:
                 break
             r = self.waiting[0]
             try:
@@ -465,7 +472,7 @@ class Simulation:
         for dst, g in groups.items():
             self._send(self.coord, dst, len(g) * self.tok_bytes, g)
         if triggers:
-            self._admit(budget=triggers if self.cfg.mode == "offline" and self.cfg.router == "iwrr" else None)
+            self._admit(budget=triggers if self.kv_fed else None)
 
     # -- run ----------------------------------------------------------------------------------
 
@@ -490,7 +497,7 @@ class Simulation:
             for spec in specs:
                 self._push(spec.arrival_s, _NEW, spec)
         else:
-            self._admit(budget=cfg.offline_initial if cfg.router == "iwrr" else None)
+            self._admit(budget=cfg.offline_initial if self.kv_fed else None)
         if cfg.kv_report_interval_s > 0:
             self._push(cfg.kv_report_interval_s, _REPORT, None)
         heap = self.heap
@@ -521,6 +528,8 @@ class Simulation:
                     self.waiting.append(self._new_request(a))
                 self._admit()
             else:  # _REPORT
+                if self.window[0] <= t < self.window[1]:
+                    self.inflight_samples.append(self.inflight)
                 for n in nodes.values():
                     self.router.report_kv(n.id, used=n.kv_used)
                 if heap and (drain or t < end):
@@ -554,6 +563,7 @@ class Simulation:
             throughput_over_time=[((i + 1) * cfg.bucket_s, c / cfg.bucket_s) for i, c in enumerate(self.buckets)
                                   if (i + 1) * cfg.bucket_s <= min(t1, self.now) + 1e-9],
             events=events,
+            extra={"mean_inflight": float(np.mean(self.inflight_samples)) if self.inflight_samples else math.nan},
         )
 
 
