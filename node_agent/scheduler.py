@@ -6,12 +6,20 @@ Each step (``schedule()`` -> run -> ``update(batch, finished)``):
   ``max_batch_size`` and the KV account can *reserve* ``prompt + max_tokens`` tokens for them.
   Because the worst case is reserved up front, every running request can always finish, so the
   scheduler never deadlocks; a request larger than the whole KV capacity is refused at ``add``.
-* **Decode-maximal batching (Sarathi).** Every running request in its decode phase that has an
-  input token gets one token in the step, then at most ONE prefill chunk of at most
-  ``chunk_size`` tokens fills the remaining ``token_budget``. ``chunk_size=None`` disables
-  chunking: the prefill's whole pending prompt runs in one step (Orca-style, budget ignored).
-* ``request_level=True`` is the pre-Orca baseline: new requests join only when the running set is
-  empty, so a batch runs until its last request finishes.
+* **Decodes first.** Every running request in its decode phase that has an input token gets one
+  token in the step (at most ``max_batch_size`` tokens, which the budget always covers).
+* **Chunked prefill (Sarathi, ``chunk_size`` set): decode-maximal batching.** Then at most ONE
+  prefill chunk of at most ``chunk_size`` tokens fills the remaining ``token_budget``.
+* **Unchunked prefill (Orca, ``chunk_size=None``): several whole prompts per step.** Then the
+  running requests in prefill, FCFS, each with its whole pending prompt, as long as it fits the
+  remaining ``token_budget``; the oldest one always runs even if it alone exceeds the budget (a
+  prompt longer than the budget must still make progress). Like Orca's Algorithm 1 the batch is
+  bounded by ``max_batch_size`` and the KV reservation; the budget caps one step's tokens (set it
+  to ``max_batch_size`` x the longest prompt to make it non-binding, as in Orca).
+* ``request_level=True`` is the pre-Orca baseline (FasterTransformer-style): new requests join
+  only when the running set is empty, so a batch runs until its last request finishes; with
+  unchunked prefill its prompts are prefilled together (as far as the budget allows), then decoded
+  together.
 
 A request is schedulable only when it has *pending input*: prompt tokens on the stage that embeds,
 hidden states pushed from the previous stage, or the token sampled in the previous step.
@@ -72,7 +80,7 @@ class ScheduledWork:
 
 @dataclass(slots=True)
 class Batch:
-    """What runs in one step: decodes first (FCFS), then at most one prefill chunk."""
+    """What runs in one step: decodes first (FCFS), then one prefill chunk or several whole prompts."""
 
     work: list[ScheduledWork] = field(default_factory=list)
     admitted: list[str] = field(default_factory=list)
@@ -90,7 +98,7 @@ class Batch:
 
 
 class Scheduler:
-    """FCFS admission with KV reservation + decode-maximal batching with one prefill chunk."""
+    """FCFS admission with KV reservation; decodes plus one prefill chunk, or plus whole prompts."""
 
     def __init__(self, config: SchedulerConfig, kv: KVAccount) -> None:
         self.config, self.kv = config, kv
@@ -153,15 +161,22 @@ class Scheduler:
             if not seq.in_prefill and seq.pending_tokens and budget:
                 batch.work.append(ScheduledWork(seq.request_id, 1, seq.computed_tokens, False, True))
                 budget -= 1
+        chunk = self.config.chunk_size
         for seq in self.running.values():
-            if seq.in_prefill and seq.pending_tokens:
-                todo = min(seq.pending_tokens, seq.prompt_tokens - seq.computed_tokens)
-                if self.config.chunk_size is not None:
-                    todo = min(todo, self.config.chunk_size, budget)
+            if not (seq.in_prefill and seq.pending_tokens):
+                continue
+            todo = min(seq.pending_tokens, seq.prompt_tokens - seq.computed_tokens)
+            if chunk is not None:
+                todo = min(todo, chunk, budget)
                 if todo > 0:
                     batch.work.append(ScheduledWork(seq.request_id, todo, seq.computed_tokens, True,
                                                     seq.computed_tokens + todo == seq.prompt_tokens))
-                break  # at most one prefill chunk per step, FCFS
+                break  # Sarathi: at most one prefill chunk per step, the oldest
+            if batch.num_prefill_chunks and todo > budget:
+                break  # Orca: whole prompts while they fit; FCFS, so no younger prompt overtakes
+            batch.work.append(ScheduledWork(seq.request_id, todo, seq.computed_tokens, True,
+                                            seq.computed_tokens + todo == seq.prompt_tokens))
+            budget = max(0, budget - todo)
         return batch
 
     def update(self, batch: Batch, finished: Iterable[str] = ()) -> None:

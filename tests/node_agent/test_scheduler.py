@@ -83,6 +83,70 @@ def test_unchunked_prefill_runs_the_whole_prompt() -> None:
     assert batch.work[0].num_tokens == 300 and batch.work[0].ends_prompt_or_decodes
 
 
+def _work(batch: Batch) -> list[tuple[str, int, bool]]:
+    return [(w.request_id, w.num_tokens, w.is_prefill) for w in batch.work]
+
+
+def test_unchunked_step_runs_several_whole_prompts_within_budget_fcfs() -> None:
+    s = make(max_batch_size=8, token_budget=100, chunk_size=None)
+    for rid, n in [("a", 30), ("b", 40), ("c", 50), ("d", 10)]:
+        s.add(rid, prompt_tokens=n, max_tokens=5, pending_tokens=n)
+    generated: dict[str, int] = {}
+    first = run_step(s, dict.fromkeys("abcd", 5), generated)
+    # a + b = 70 fit; c (50) does not fit the 30 left, and d may not overtake it (FCFS)
+    assert _work(first) == [("a", 30, True), ("b", 40, True)]
+    assert all(w.ends_prompt_or_decodes for w in first.work) and first.num_prefill_chunks == 2
+    second = run_step(s, dict.fromkeys("abcd", 5), generated)
+    # the two decodes first, then c and d together: 2 + 50 + 10 <= 100
+    assert _work(second) == [("a", 1, False), ("b", 1, False), ("c", 50, True), ("d", 10, True)]
+
+
+def test_unchunked_prefills_are_bounded_by_max_batch_size_and_kv_reservation() -> None:
+    s = make(capacity=1000, max_batch_size=2, token_budget=4096, chunk_size=None)
+    for rid in "abc":
+        s.add(rid, prompt_tokens=100, max_tokens=10, pending_tokens=100)
+    assert _work(s.schedule()) == [("a", 100, True), ("b", 100, True)]  # c waits: max batch 2
+    s = make(capacity=250, max_batch_size=8, token_budget=4096, chunk_size=None)
+    for rid in "abc":
+        s.add(rid, prompt_tokens=100, max_tokens=10, pending_tokens=100)  # reserves 110 each
+    batch = s.schedule()
+    assert batch.admitted == ["a", "b"] and _work(batch) == [("a", 100, True), ("b", 100, True)]
+
+
+def test_unchunked_oldest_prompt_runs_even_over_budget_but_alone() -> None:
+    s = make(max_batch_size=4, token_budget=64, chunk_size=None)
+    s.add("long", prompt_tokens=300, max_tokens=2, pending_tokens=300)
+    s.add("short", prompt_tokens=5, max_tokens=2, pending_tokens=5)
+    assert _work(s.schedule()) == [("long", 300, True)]
+
+
+def test_unchunked_prefill_runs_only_the_pending_part_of_a_prompt() -> None:
+    s = make(max_batch_size=4, token_budget=64, chunk_size=None)
+    s.add("down1", prompt_tokens=40, max_tokens=2)  # a later stage: hidden states arrive in pieces
+    s.add("down2", prompt_tokens=10, max_tokens=2)
+    s.add_input("down1", 16)
+    s.add_input("down2", 10)
+    batch = s.schedule()
+    assert _work(batch) == [("down1", 16, True), ("down2", 10, True)]
+    assert [w.ends_prompt_or_decodes for w in batch.work] == [False, True]
+
+
+def test_request_level_batch_prefills_together_then_decodes_together() -> None:
+    s = make(max_batch_size=3, token_budget=4096, chunk_size=None, request_level=True)
+    max_tokens = {"a": 2, "b": 4, "c": 3, "late": 1}
+    for rid, n in [("a", 50), ("b", 7), ("c", 120)]:
+        s.add(rid, prompt_tokens=n, max_tokens=max_tokens[rid], pending_tokens=n)
+    generated: dict[str, int] = {}
+    first = run_step(s, max_tokens, generated)
+    assert _work(first) == [("a", 50, True), ("b", 7, True), ("c", 120, True)]
+    s.add("late", prompt_tokens=3, max_tokens=1, pending_tokens=3)
+    steps = [_work(run_step(s, max_tokens, generated)) for _ in range(3)]
+    assert steps == [[("a", 1, False), ("b", 1, False), ("c", 1, False)],
+                     [("b", 1, False), ("c", 1, False)], [("b", 1, False)]]  # late waits for the batch
+    assert _work(run_step(s, max_tokens, generated)) == [("late", 3, True)]
+    assert generated == max_tokens
+
+
 def test_kv_reservation_blocks_admission_until_release() -> None:
     s = make(capacity=100, max_batch_size=8, token_budget=64, chunk_size=None)
     s.add("a", prompt_tokens=40, max_tokens=20, pending_tokens=40)  # reserves 60
