@@ -18,6 +18,25 @@ A GPU's throughput for a model comes in one of two forms (DESIGN.md):
   Azure conversation trace the paper used) and ``context_tokens`` the mean context a
   decoding request holds (prompt + half the output).
 
+Optional per-step fixed costs (absent = 0, so profiles without them behave exactly as before):
+
+* ``step_overhead_ms`` as ``[batch tokens, ms]`` points: paid **once per iteration** by every
+  stage whatever the number of layers it runs (scheduling, gathering the batch, the engine's
+  bookkeeping); batch tokens = prompt tokens + decoding requests in the iteration;
+* ``head_ms`` as ``[batch size, ms]`` points: paid once per iteration by the stage holding the
+  model's **last layer** only (final norm, LM head, sampling); batch size = sequences that
+  sample a token in the iteration.
+
+When they are given, the per-layer curves hold only the per-layer cost. :func:`derive_tok_s`
+charges ``step_overhead_ms`` once per step and spreads ``head_ms`` over the model's layers
+(``k / num_layers`` of it for ``k`` layers, as ``tok_s(k)`` does not know whether the node
+holds the last layer; exact for a node holding the whole model)::
+
+      P(k) = max_t  t / ((k * prefill_ms(t) + step(t) + k / L * head(1)) / 1000)
+      D(k) = max_{b <= b(k)}  b / ((k * decode_ms(b) + step(b) + k / L * head(b)) / 1000)
+
+The simulator and the planner's serving model charge them where they are paid.
+
 ``kv_capacity_tokens_by_layers[k-1]`` counts KV *entries* (one token in one layer) that fit
 when the node holds ``k`` layers; each layer then keeps ``value / k`` tokens of context.
 """
@@ -66,6 +85,8 @@ class ThroughputProfile(_Strict):
     kv_capacity_tokens_by_layers: list[float] | None = None
     prompt_max_tokens_by_layers: list[int] | None = None  # largest prefill batch (tokens) per step
     decode_max_tokens_by_layers: list[int] | None = None  # largest decode batch (requests) per step
+    step_overhead_ms: Curve | None = None  # [batch tokens, ms] once per iteration on every stage
+    head_ms: Curve | None = None  # [batch size, ms] once per iteration on the stage with the last layer
 
     @model_validator(mode="after")
     def _check(self) -> ThroughputProfile:
@@ -84,7 +105,7 @@ class ThroughputProfile(_Strict):
         """tokens/s through all k layers, k = 1..max_layers (given, or derived from the curves)."""
         if self.tok_s is not None:
             return list(self.tok_s)
-        return derive_tok_s(self)
+        return derive_tok_s(self, num_layers=model.num_layers)
 
     def kv_tokens_per_layer(self, k: int) -> float | None:
         """Tokens of context each layer can hold when the node holds k layers."""
@@ -126,25 +147,39 @@ def _interp(curve: Curve, x: float) -> float:
     return y1 + (y1 - y0) * (x - x1) / (x1 - x0)
 
 
+def _interp_flat(curve: Curve, x: float) -> float:
+    """A fixed-cost curve at ``x``: flat below the first point (a step costs at least that)."""
+    pts = sorted(curve)
+    return pts[0][1] if x <= pts[0][0] else _interp(pts, x)
+
+
 def derive_tok_s(
     tp: ThroughputProfile,
     *,
     prompt_tokens: float = AZURE_MEAN_PROMPT_TOKENS,
     output_tokens: float = AZURE_MEAN_OUTPUT_TOKENS,
+    num_layers: int | None = None,
 ) -> list[float]:
-    """The module docstring's formula: tokens/s through k layers from per-layer latency curves."""
+    """The module docstring's formula: tokens/s through k layers from per-layer latency curves
+    (plus the optional per-step costs; ``num_layers`` spreads ``head_ms``, default max_layers)."""
     assert tp.prefill_ms_per_layer is not None and tp.decode_ms_per_layer is not None
     f_prompt = prompt_tokens / (prompt_tokens + output_tokens)
     context = prompt_tokens + output_tokens / 2
+    n_layers = num_layers or tp.max_layers
+
+    def fixed_ms(x: float, sequences: float, k: int) -> float:
+        ms = _interp_flat(tp.step_overhead_ms, x) if tp.step_overhead_ms else 0.0
+        return ms + (k / n_layers * _interp_flat(tp.head_ms, sequences) if tp.head_ms else 0.0)
+
     out: list[float] = []
     for k in range(1, tp.max_layers + 1):
-        prefill = max(t / (k * ms / 1000) for t, ms in tp.prefill_ms_per_layer if t > 0 and ms > 0)
+        prefill = max(t / ((k * ms + fixed_ms(t, 1, k)) / 1000) for t, ms in tp.prefill_ms_per_layer if t > 0 and ms > 0)
         kv_per_layer = tp.kv_tokens_per_layer(k)
         max_batch = float("inf") if kv_per_layer is None else max(1.0, kv_per_layer / context)
         decode_points = [(b, ms) for b, ms in tp.decode_ms_per_layer if 0 < b <= max_batch and ms > 0]
         if not decode_points:
             decode_points = [(max_batch, _interp(tp.decode_ms_per_layer, max_batch))]
-        decode = max(b / (k * ms / 1000) for b, ms in decode_points)
+        decode = max(b / ((k * ms + fixed_ms(b, b, k)) / 1000) for b, ms in decode_points)
         out.append(1.0 / (f_prompt / prefill + (1 - f_prompt) / decode))
     return out
 

@@ -7,7 +7,8 @@ inner loops never touch pydantic objects:
 * per GPU type (nodes with their own ``max_layers`` cap form a type of their own): ``tok_s[k-1]`` (the paper's node capacity ``T(k)``), ``max_layers``,
   ``kv_entries[k-1]`` (KV entries - one token in one layer - that fit next to ``k`` layers;
   from ``kv_capacity_tokens_by_layers`` or, when absent, from VRAM minus weights) and the
-  per-layer decode/prefill latency curves when the profile has them;
+  per-layer decode/prefill latency curves when the profile has them, with the optional
+  per-step fixed costs (``step_ms`` every stage, ``head_ms`` the last-layer stage);
 * per node: its GPU type and region; per directed link: tokens/s and latency.
 
 ``coverage`` is the network-free relaxation used throughout: the tokens/s each layer gets
@@ -39,6 +40,8 @@ class GpuType:
     decode_ms: Curve | None
     prefill_ms: Curve | None
     decode_max_batch: list[int] | None
+    step_ms: Curve | None = None  # once per iteration on every stage, by batch tokens (absent: 0)
+    head_ms: Curve | None = None  # once per iteration on the last-layer stage, by sequences (absent: 0)
 
 
 @dataclass(slots=True)
@@ -79,6 +82,8 @@ class Instance:
                 decode_ms=[(float(b), float(ms)) for b, ms in tp.decode_ms_per_layer] if tp.decode_ms_per_layer else None,
                 prefill_ms=[(float(t), float(ms)) for t, ms in tp.prefill_ms_per_layer] if tp.prefill_ms_per_layer else None,
                 decode_max_batch=list(tp.decode_max_tokens_by_layers[:top]) if tp.decode_max_tokens_by_layers else None,
+                step_ms=[(float(x), float(ms)) for x, ms in tp.step_overhead_ms] if tp.step_overhead_ms else None,
+                head_ms=[(float(x), float(ms)) for x, ms in tp.head_ms] if tp.head_ms else None,
             )
         inst = cls(
             cap=cap,

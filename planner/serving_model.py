@@ -10,7 +10,9 @@ output tokens per request (Azure conversation trace means: 763 / 232):
   (fewer than it holds after a partial hand-off).
 * Per-token round trip  W_p = sum_i l_ip * d_i(b_i) + sum of link latencies on p
   (coordinator -> first, hops, last -> coordinator), with d_i(b) the profile's
-  decode_ms_per_layer at decode batch b (else b / T_i(k_i), i.e. derived from tok_s).
+  decode_ms_per_layer at decode batch b (else b / T_i(k_i), i.e. derived from tok_s), plus
+  the profile's optional per-step costs: step_overhead_ms once per step on every node and
+  head_ms on the node holding the last layer (absent: 0).
   Amortised prefill adds  pre_p / D  with pre_p = sum_i l_ip * prefill_ms_i(P) + latencies.
   The batch b_i a node sees is the expected number of its in-flight requests currently at
   it (n_i * its share of W_p), found by a short fixed-point iteration.
@@ -35,7 +37,7 @@ from dataclasses import dataclass, field
 
 from planner.graph import hands_off
 from planner.highs_model import Model
-from planner.instance import Curve, Instance, Placement
+from planner.instance import Curve, GpuType, Instance, Placement
 
 MAX_PATHS = 400
 MAX_PREFILL_BUSY = 0.9
@@ -127,11 +129,13 @@ class ServingModel:
     def __init__(self, inst: Instance, workload: Workload | None = None) -> None:
         self.inst = inst
         self.w = workload or Workload()
-        self._prefill: dict[tuple[str, int], float] = {}
+        self._prefill: dict[tuple[str, int, bool], float] = {}
 
     # per-node timing ----------------------------------------------------------------
 
-    def decode_s(self, node: str, layers_run: int, batch: float) -> float:
+    def decode_s(self, node: str, layers_run: int, batch: float, last: bool = False) -> float:
+        """Seconds of one decode step of ``batch`` requests over ``layers_run`` layers; ``last``:
+        the node holds the model's last layer (pays the profile's ``head_ms``)."""
         g = self.inst.gpus[self.inst.gpu_of[node]]
         batch = max(1.0, batch)
         if g.decode_ms is None:
@@ -139,22 +143,32 @@ class ServingModel:
         cap = float(g.decode_max_batch[layers_run - 1]) if g.decode_max_batch else batch
         steps = math.ceil(batch / cap - 1e-9)  # a batch above the node's decode limit takes several steps
         per_step = interp(g.decode_ms, batch / steps)
+        riding = 0.0
         if self.w.mixed_batches and g.prefill_ms is not None:
             # in steady state every iteration also carries prompt tokens in the workload's ratio
-            per_step += interp(g.prefill_ms, batch / steps * self.w.prompt_tokens / self.w.output_tokens)
-        return steps * layers_run * per_step / 1000.0
+            riding = batch / steps * self.w.prompt_tokens / self.w.output_tokens
+            per_step += interp(g.prefill_ms, riding)
+        fixed = self._fixed_ms(g, batch / steps + riding, batch / steps, last)
+        return steps * (layers_run * per_step + fixed) / 1000.0
 
-    def prefill_s(self, node: str, layers_run: int) -> float:
-        key = (self.inst.gpu_of[node], layers_run)
+    @staticmethod
+    def _fixed_ms(g: GpuType, batch_tokens: float, sequences: float, last: bool) -> float:
+        """The profile's optional per-step costs: ``step_ms`` on every stage, ``head_ms`` on the last."""
+        ms = interp(g.step_ms, batch_tokens) if g.step_ms else 0.0
+        return ms + (interp(g.head_ms, sequences) if last and g.head_ms else 0.0)
+
+    def prefill_s(self, node: str, layers_run: int, last: bool = False) -> float:
+        key = (self.inst.gpu_of[node], layers_run, last)
         hit = self._prefill.get(key)
         if hit is None:
-            hit = self._prefill[key] = self._prefill_s(node, layers_run)
+            hit = self._prefill[key] = self._prefill_s(node, layers_run, last)
         return hit
 
-    def _prefill_s(self, node: str, layers_run: int) -> float:
+    def _prefill_s(self, node: str, layers_run: int, last: bool) -> float:
         g = self.inst.gpus[self.inst.gpu_of[node]]
         if g.prefill_ms is not None:
-            return layers_run * interp(g.prefill_ms, self.w.prompt_tokens) / 1000.0
+            fixed = self._fixed_ms(g, self.w.prompt_tokens, 1.0, last)
+            return (layers_run * interp(g.prefill_ms, self.w.prompt_tokens) + fixed) / 1000.0
         return self.w.prompt_tokens / g.tok_s[layers_run - 1]
 
     def link_s(self, a: str, b: str) -> float:
@@ -178,7 +192,7 @@ class ServingModel:
     def short_paths(self, placement: Placement) -> list[list[str]]:
         """For every node, the lowest-latency source->sink path through it (DP on the DAG)."""
         inst, coord, L = self.inst, self.inst.coordinator, self.inst.num_layers
-        cost = {n: self.decode_s(n, e - s, 8.0) for n, (s, e) in placement.items()}
+        cost = {n: self.decode_s(n, e - s, 8.0, e == L) for n, (s, e) in placement.items()}
         order = sorted(placement, key=lambda n: placement[n][1])
         fwd: dict[str, tuple[float, str | None]] = {}
         for n in order:
@@ -247,6 +261,7 @@ class ServingModel:
         t_row = tokens_per_decode if w.prompt_counts_in_tok_s else 1.0
         ctx = w.reserve_tokens if w.reserve_tokens is not None else w.prompt_tokens + w.output_tokens
         batch = {n: 8.0 for n in placement}
+        last = {n: e == inst.num_layers for n, (_, e) in placement.items()}  # pays head_ms
         busy_prefill = {n: 0.0 for n in placement}  # share of a node's time spent on prefills
         result = ServingEstimate(0.0, max_flow, 0.0, 0.0, 0.0, "none")
         for _ in range(iterations):
@@ -254,14 +269,14 @@ class ServingModel:
             for p, r in zip(paths, runs, strict=True):
                 # a decode step waits for the whole iteration, prefill chunks included
                 hop = [
-                    self.decode_s(n, lr, batch[n]) / (1.0 - (0.0 if w.mixed_batches else busy_prefill[n]))
+                    self.decode_s(n, lr, batch[n], last[n]) / (1.0 - (0.0 if w.mixed_batches else busy_prefill[n]))
                     for n, lr in zip(p, r, strict=True)
                 ]
                 lat = self.link_s(coord, p[0]) + self.link_s(p[-1], coord)
                 lat += sum(self.link_s(a, b) for a, b in zip(p, p[1:], strict=False))
                 # the convoy crosses each hop as one message: batch x activation bytes / bandwidth
                 lat += sum(self.transfer_s(a, b, batch[a]) for a, b in zip(p, p[1:], strict=False))
-                pre = sum(self.prefill_s(n, lr) for n, lr in zip(p, r, strict=True)) + lat
+                pre = sum(self.prefill_s(n, lr, last[n]) for n, lr in zip(p, r, strict=True)) + lat
                 wp = sum(hop) + lat
                 taus.append(wp + pre / w.output_tokens)
                 times.append((wp, hop))
@@ -289,7 +304,8 @@ class ServingModel:
                     vals = []
                     for j in js:
                         lr = runs[j][paths[j].index(n)]
-                        per_tok = self.prefill_s(n, lr) / w.output_tokens + self.decode_s(n, lr, batch[n]) / batch[n]
+                        per_tok = (self.prefill_s(n, lr, last[n]) / w.output_tokens
+                                   + self.decode_s(n, lr, batch[n], last[n]) / batch[n])
                         vals.append(per_tok / taus[j])
                     m.add_row([cols[j] for j in js], vals, hi=1.0)
                     rows_kind.append("compute")
@@ -331,7 +347,7 @@ class ServingModel:
             for j, p in enumerate(paths):
                 lam = n_p[j] / taus[j] / w.output_tokens  # requests/s on this path
                 for n, lr in zip(p, runs[j], strict=True):
-                    new_busy[n] += lam * self.prefill_s(n, lr)
+                    new_busy[n] += lam * self.prefill_s(n, lr, last[n])
             busy_prefill = {n: min(MAX_PREFILL_BUSY, 0.5 * busy_prefill[n] + 0.5 * new_busy[n]) for n in placement}
             total_n = sum(n_p)
             y = [n_p[j] / taus[j] for j in range(len(paths))]

@@ -109,6 +109,8 @@ def _throughput(measured: dict[str, Any], free_bytes: float, settings: MeasureSe
         kv_capacity_tokens_by_layers=kv,
         prompt_max_tokens_by_layers=[AGENT_PREFILL_CHUNK_TOKENS] * k_max,
         decode_max_tokens_by_layers=[AGENT_MAX_BATCH_SIZE] * k_max,
+        step_overhead_ms=[tuple(p) for p in measured["step_overhead_ms"]] if "step_overhead_ms" in measured else None,
+        head_ms=[tuple(p) for p in measured["head_ms"]] if "head_ms" in measured else None,
     )
 
 

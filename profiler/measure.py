@@ -165,10 +165,11 @@ def measure_device(
     Three engines are timed: middle layer 1 alone and layers ``[1, 1 + probe_layers)`` — the
     per-layer cost is the slope between them, so the engine's fixed per-step cost (scheduling,
     gathering rows) is not multiplied by the layer count — and the last layer alone, which also
-    runs the final norm, the LM head and sampling. What the last stage costs beyond one layer
-    (*head*: LM head, sampling, the fixed per-step cost) is spread over the model's layers
-    (``head_ms / num_layers`` added to every point), so a node holding the whole model is
-    modelled exactly and a partial stage proportionally.
+    runs the final norm, the LM head and sampling. The per-layer curves are the slopes; the
+    fixed per-step cost (1-layer stage minus one layer) becomes ``step_overhead_ms`` and what
+    the last stage costs beyond that (final norm, LM head, sampling) ``head_ms``
+    (:func:`with_step_costs`), so a pipeline stage pays its step cost once and only the last
+    stage pays the head.
     """
     import torch
 
@@ -205,7 +206,7 @@ def measure_device(
     dec_layer = _slopes(dec_one, dec_mid, layers)
     pre_head = [max(0.0, a - b) for a, b in zip(pre_last, pre_layer, strict=True)]
     dec_head = [max(0.0, a - b) for a, b in zip(dec_last, dec_layer, strict=True)]
-    return {
+    return with_step_costs({
         "num_layers": n,
         "hidden_size": config.hidden_size,
         "dtype_bytes": 4,
@@ -219,7 +220,39 @@ def measure_device(
                 "decode_layer_ms": dec_layer, "decode_head_ms": dec_head,
                 "prefill_fixed_ms": [max(0.0, a - b) for a, b in zip(pre_one, pre_layer, strict=True)],
                 "decode_fixed_ms": [max(0.0, a - b) for a, b in zip(dec_one, dec_layer, strict=True)]},
-    }  # fmt: skip
+    })  # fmt: skip
+
+
+def with_step_costs(measured: dict[str, Any]) -> dict[str, Any]:
+    """Split the fixed per-step costs out of the per-layer curves (helix.profile's contract).
+
+    ``measured`` is :func:`measure_device`'s result (also older cached ones, whose per-layer
+    curves still carry ``head / num_layers`` on every point); from its ``raw`` part:
+
+    * per-layer curves = the pure slopes ``prefill_layer_ms`` / ``decode_layer_ms``;
+    * ``step_overhead_ms`` by batch tokens = the 1-layer stage minus one layer: the decode
+      points (``b`` requests = ``b`` batch tokens), then the prefill points above the largest
+      decode batch;
+    * ``head_ms`` by batch size = the last stage minus the 1-layer stage, from the decode runs
+      (``b`` sequences sampling one token each).
+
+    Without ``raw`` (or already split) it is returned unchanged.
+    """
+    raw = measured.get("raw")
+    if raw is None or "step_overhead_ms" in measured or "decode_fixed_ms" not in raw:
+        return measured
+    pre_x = [p[0] for p in measured["prefill_ms_per_layer"] if p[0] > 0]
+    dec_x = [p[0] for p in measured["decode_ms_per_layer"] if p[0] > 0]
+    out = dict(measured)
+    out["prefill_ms_per_layer"] = [[0.0, 0.0]] + [[x, round(ms, 4)] for x, ms in zip(pre_x, raw["prefill_layer_ms"], strict=True)]
+    out["decode_ms_per_layer"] = [[0.0, 0.0]] + [[x, round(ms, 4)] for x, ms in zip(dec_x, raw["decode_layer_ms"], strict=True)]
+    top = max(dec_x)
+    step = [[x, round(ms, 4)] for x, ms in zip(dec_x, raw["decode_fixed_ms"], strict=True)]
+    step += [[x, round(ms, 4)] for x, ms in zip(pre_x, raw["prefill_fixed_ms"], strict=True) if x > top]
+    out["step_overhead_ms"] = step
+    out["head_ms"] = [[x, round(max(0.0, h - f), 4)]
+                      for x, h, f in zip(dec_x, raw["decode_head_ms"], raw["decode_fixed_ms"], strict=True)]
+    return out
 
 
 def _slopes(one: list[float], many: list[float], layers: int) -> list[float]:

@@ -23,7 +23,7 @@ from dataclasses import asdict
 from typing import Any
 
 from helix.errors import HelixError
-from profiler.measure import MeasureSettings, measure_device
+from profiler.measure import MeasureSettings, measure_device, with_step_costs
 
 PROGRESS = "PROGRESS "
 RESULT = "RESULT "
@@ -100,8 +100,15 @@ def non_decreasing(values: list[float]) -> list[float]:
 def combine(measured: list[dict[str, Any]]) -> dict[str, Any]:
     """Nodes of one GPU type as one profile: the point-by-point median of their curves, made
     non-decreasing (on a shared machine noise can make a bigger batch look cheaper)."""
+    measured = [with_step_costs(m) for m in measured]  # older cached results: split the fixed costs out
     out = dict(measured[0])
-    for curve in ("prefill_ms_per_layer", "decode_ms_per_layer"):
+    curves = ["prefill_ms_per_layer", "decode_ms_per_layer"]
+    if all("step_overhead_ms" in m and "head_ms" in m for m in measured):
+        curves += ["step_overhead_ms", "head_ms"]
+    else:
+        out.pop("step_overhead_ms", None)
+        out.pop("head_ms", None)
+    for curve in curves:
         xs = [p[0] for p in measured[0][curve]]
         ys = [statistics.median(p[1] for p in points) for points in zip(*(m[curve] for m in measured), strict=True)]
         out[curve] = [[x, round(y, 4)] for x, y in zip(xs, non_decreasing(ys), strict=True)]

@@ -17,7 +17,9 @@ Model (documented with its calibration in ``docs/simulator.md``):
   prefills up to ``prompt_max_tokens`` tokens, decodes up to ``decode_max_tokens`` requests —
   and runs one iteration of ``sum over its layers of prefill_ms(prefill tokens on that layer)
   + decode_ms(decode requests on that layer)`` from its profile's per-layer curves (requests
-  that entered mid-range run only their layers). True KV use (entries = tokens x layers) is
+  that entered mid-range run only their layers), plus the profile's optional per-step costs:
+  ``step_overhead_ms`` once per iteration on every node, ``head_ms`` on the node holding the
+  last layer (absent: 0). True KV use (entries = tokens x layers) is
   enforced against the node's capacity: a request that would not fit waits, and if nothing
   fits the latest-admitted waiting request is preempted (its KV freed everywhere, re-admitted
   later with its generated tokens re-prefilled), so KV never exceeds capacity.
@@ -94,12 +96,14 @@ class _Req:
 
 class _Node:
     __slots__ = ("id", "start", "end", "k", "cap", "pf", "dc", "pmax", "dmax", "queue", "busy", "kv_used",
-                 "kv_peak", "busy_s", "batch", "iters", "t_start")
+                 "kv_peak", "busy_s", "batch", "iters", "t_start", "step", "head")
 
     def __init__(self, nid: str, start: int, end: int, cap: float, pf: list[float], dc: list[float],
-                 pmax: int, dmax: int) -> None:
+                 pmax: int, dmax: int, step: list[float] | None = None, head: list[float] | None = None) -> None:
         self.id, self.start, self.end, self.k = nid, start, end, end - start
         self.cap, self.pf, self.dc, self.pmax, self.dmax = cap, pf, dc, pmax, dmax
+        self.step = step  # ms per iteration by batch tokens (prompt tokens + decodes), every stage
+        self.head = head  # ms per iteration by sequences sampled; only on the stage with the last layer
         self.queue: list[_Req] = []
         self.busy = False
         self.kv_used = 0.0
@@ -110,14 +114,15 @@ class _Node:
         self.t_start = 0.0
 
 
-def _table(curve: list[tuple[float, float]], n: int) -> list[float]:
-    """ms for x = 0..n-1 from a curve (linear interpolation, linear extrapolation past the end)."""
+def _table(curve: list[tuple[float, float]], n: int, *, proportional_low: bool = True) -> list[float]:
+    """ms for x = 0..n-1 from a curve (linear interpolation, linear extrapolation past the end;
+    below the first point proportional to x, or flat for a fixed per-step cost)."""
     pts = sorted(curve)
     xs = np.array([p[0] for p in pts], dtype=float)
     ys = np.array([p[1] for p in pts], dtype=float)
     grid = np.arange(n, dtype=float)
     out = np.interp(grid, xs, ys)
-    if xs[0] > 0:  # below the first point: proportional to x
+    if xs[0] > 0 and proportional_low:  # below the first point: proportional to x
         low = grid < xs[0]
         out[low] = ys[0] * grid[low] / xs[0]
     if len(xs) >= 2 and xs[-1] < n - 1:
@@ -197,6 +202,7 @@ class Simulation:
         self.placement = dict(plan.placement)
         self.nodes: dict[str, _Node] = {}
         tables: dict[tuple[str, int], tuple[list[float], list[float]]] = {}
+        fixed: dict[str, tuple[list[float] | None, list[float] | None]] = {}
         for nid, (s, e) in plan.placement.items():
             gpu = cluster.node(nid).gpu
             tp = profiles.throughput(gpu, cluster.model)
@@ -209,8 +215,14 @@ class Simulation:
                 tables[(gpu, 0)] = (_table(tp.prefill_ms_per_layer, max(pmax, 2048) * 2 + 1),
                                     _table(tp.decode_ms_per_layer, dmax * 2 + 1))
             pf, dc = tables[(gpu, 0)]
+            if gpu not in fixed:  # the profile's optional per-step costs (absent: 0)
+                n_tab = max(pmax, 2048) * 2 + dmax * 2 + 1
+                fixed[gpu] = (_table(tp.step_overhead_ms, n_tab, proportional_low=False) if tp.step_overhead_ms else None,
+                              _table(tp.head_ms, n_tab, proportional_low=False) if tp.head_ms else None)
+            step, head = fixed[gpu]
             cap = base.kv.nodes[nid].capacity if nid in base.kv.nodes else math.inf
-            self.nodes[nid] = _Node(nid, s, e, cap, pf, dc, pmax, dmax)
+            self.nodes[nid] = _Node(nid, s, e, cap, pf, dc, pmax, dmax, step,
+                                    head if e == self.num_layers else None)
         initial = {n.id: n.k * n.dc[1] / 1000.0 for n in self.nodes.values()}
         self.router, self.swarm = make_router(
             config.router, base, seed=config.seed, queue_len=lambda n: len(self.nodes[n].queue) + len(self.nodes[n].batch),
@@ -374,6 +386,10 @@ class Simulation:
                     d_cum += by_start[s][1]
                     seg = (starts[i + 1] if i + 1 < len(starts) else n.end) - s
                     ms += seg * (pf[min(p_cum, len(pf) - 1)] + dc[min(d_cum, len(dc) - 1)])
+            if n.step is not None:
+                ms += n.step[min(ptoks + dcount, len(n.step) - 1)]
+            if n.head is not None:
+                ms += n.head[min(len(batch), len(n.head) - 1)]
             dur = (ms + self.cfg.iteration_overhead_ms) / 1000.0
             n.busy = True
             n.batch = batch

@@ -178,3 +178,19 @@ def test_node_layer_cap_limits_planning(tmp_path: Path) -> None:
     c["nodes"][0]["max_layers"] = 0
     with pytest.raises(ConfigError, match=r"nodes\[0\].max_layers"):
         load_cluster(write_cluster(tmp_path, c))
+
+
+def test_per_step_costs_are_optional_and_charged_once_per_step() -> None:
+    curves = dict(max_layers=4, prefill_ms_per_layer=[(0, 0), (100, 1.0), (1000, 8.0)],
+                  decode_ms_per_layer=[(1, 0.5), (8, 0.6), (64, 1.0)])
+    plain = derive_tok_s(ThroughputProfile(**curves), prompt_tokens=100, output_tokens=100)
+    zero = ThroughputProfile(**curves, step_overhead_ms=[(1, 0.0), (1000, 0.0)], head_ms=[(1, 0.0), (64, 0.0)])
+    assert derive_tok_s(zero, prompt_tokens=100, output_tokens=100) == pytest.approx(plain)
+    tp = ThroughputProfile(**curves, step_overhead_ms=[(1, 2.0), (1000, 2.0)], head_ms=[(1, 4.0), (64, 4.0)])
+    table = derive_tok_s(tp, prompt_tokens=100, output_tokens=100, num_layers=4)
+    # k layers: the step cost once, k/4 of the head; prefill at 1000 tokens, decode at batch 64
+    for k in (1, 4):
+        fixed = 2.0 + 4.0 * k / 4
+        prefill = max(100 / ((k * 1.0 + fixed) / 1000), 1000 / ((k * 8.0 + fixed) / 1000))
+        decode = 64 / ((k * 1.0 + fixed) / 1000)
+        assert table[k - 1] == pytest.approx(1 / (0.5 / prefill + 0.5 / decode))

@@ -109,3 +109,33 @@ def test_cli_json() -> None:
         capture_output=True, text=True, cwd=ROOT,
     )
     assert bad.returncode != 0 and "file not found" in bad.stderr
+
+
+def test_per_step_costs_paid_once_per_stage_and_head_on_the_last(tmp_path) -> None:
+    from helix.plan import Plan
+    from helix.profile import GpuProfile, ModelProfile, ProfileSet, ThroughputProfile
+    from helix.spec import ClusterSpec
+
+    model = ModelProfile(num_layers=6, hidden_size=8, layer_weight_bytes=1.0, kv_bytes_per_token_per_layer=1.0)
+    curves = dict(max_layers=6, prefill_ms_per_layer=[(0, 0), (100, 1.0)], decode_ms_per_layer=[(0, 0), (1, 1.0), (8, 1.0)],
+                  kv_capacity_tokens_by_layers=[1e7] * 6)
+    cluster = ClusterSpec.model_validate({
+        "name": "t", "model": "m", "profiles": "p.yaml", "coordinator": {"id": "c"},
+        "nodes": [{"id": f"n{i}", "gpu": "g"} for i in range(3)],
+        "defaults": {"intra_region": {"bandwidth_gbps": 1000, "latency_ms": 0.0}}})
+    pipeline = Plan(cluster="t", model="m", method="given", placement={"n0": (0, 2), "n1": (2, 4), "n2": (4, 6)},
+                    max_flow_tok_s=1.0)
+    single = Plan(cluster="t", model="m", method="given", placement={"n0": (0, 6)}, max_flow_tok_s=1.0)
+    trace = [__import__("simulator.workload", fromlist=["RequestSpec"]).RequestSpec(0.0, 10, 11)]
+
+    def decode_gap(plan, **extra) -> float:
+        gpu = GpuProfile(vram_gb=1, throughput={"m": ThroughputProfile(**curves, **extra)})
+        profiles = ProfileSet(models={"m": model}, gpus={"g": gpu})
+        cfg = SimConfig(mode="online", trace=trace, num_requests=1, warmup_s=0.0, duration_s=1e6)
+        return simulate(cluster, profiles, plan, cfg).decode_latency_s["p50"]
+
+    base_pipe, base_single = decode_gap(pipeline), decode_gap(single)
+    assert base_pipe == pytest.approx(base_single) == pytest.approx(0.006)  # 6 layers x 1 ms
+    costs = dict(step_overhead_ms=[(1, 2.0), (100, 2.0)], head_ms=[(1, 5.0), (8, 5.0)])
+    assert decode_gap(pipeline, **costs) == pytest.approx(0.006 + 3 * 0.002 + 0.005)
+    assert decode_gap(single, **costs) == pytest.approx(0.006 + 0.002 + 0.005)
