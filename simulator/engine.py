@@ -23,6 +23,9 @@ Model (documented with its calibration in ``docs/simulator.md``):
   enforced against the node's capacity: a request that would not fit waits, and if nothing
   fits the latest-admitted waiting request is preempted (its KV freed everywhere, re-admitted
   later with its generated tokens re-prefilled), so KV never exceeds capacity.
+* **Shared hosts** (``host_cores``, off by default): nodes whose addresses name the same host
+  run at most ``host_cores`` iterations at a time (the loopback demo: three agents, two
+  cores); a node that could start waits for a core, first come first served.
 * **Links.** Each directed link is a FIFO server: a message of ``tokens x bytes per token``
   occupies it for ``bytes / bandwidth`` after the previous one, then arrives ``latency_ms``
   later. Activations between nodes, token ids to and from the coordinator.
@@ -70,6 +73,7 @@ class SimConfig:
     num_requests: int | None = None  # stop issuing after this many and drain (tests)
     kv_report_interval_s: float = 1.0
     iteration_overhead_ms: float = 0.0
+    host_cores: int | None = None  # nodes on one host (address) run at most this many iterations at once
     bucket_s: float = 10.0
 
 
@@ -176,6 +180,14 @@ class SimResult:
         }
 
 
+def _host(address: str | None) -> str | None:
+    """The host part of ``tcp://host:port`` (None without an address)."""
+    if not address:
+        return None
+    rest = address.split("://", 1)[-1]
+    return rest.rsplit(":", 1)[0] if ":" in rest else rest
+
+
 def _percentiles(xs: list[float]) -> dict[str, float]:
     if not xs:
         return {"mean": math.nan, "p50": math.nan, "p90": math.nan, "p99": math.nan}
@@ -253,6 +265,9 @@ class Simulation:
         self.decode_lat: list[float] = []
         self.finished = 0
         self.preemptions = 0
+        # nodes sharing a host's cores (host_cores): host -> [iterations running, nodes waiting]
+        self.host_of = {nid: _host(cluster.node(nid).address) or nid for nid in self.nodes}
+        self.hosts: dict[str, tuple[list[int], deque[_Node]]] = {h: ([0], deque()) for h in self.host_of.values()}
         self.inflight_samples: list[int] = []  # requests in flight at every KV report in the window
         self.buckets = [0] * (int(math.ceil(t1 / config.bucket_s)) + 2)
         self.cap_inflight = config.max_inflight  # None: the KV feeder admits
@@ -333,6 +348,13 @@ class Simulation:
     # -- nodes --------------------------------------------------------------------------------
 
     def _try_start(self, n: _Node) -> None:
+        cores = self.cfg.host_cores
+        if cores is not None and n.queue and not n.busy:
+            running, waiting = self.hosts[self.host_of[n.id]]
+            if running[0] >= cores:  # every core of the host is busy: wait for one
+                if n not in waiting:
+                    waiting.append(n)
+                return
         while n.queue and not n.busy:
             batch: list[_Req] = []
             rest: list[_Req] = []
@@ -398,6 +420,8 @@ class Simulation:
             if self.now >= self.window[0]:
                 n.busy_s += min(dur, max(0.0, self.window[1] - self.now))
             self._push(self.now + dur, _NODE_DONE, n)
+            if cores is not None:
+                self.hosts[self.host_of[n.id]][0][0] += 1
 
     def _preempt(self, n: _Node) -> None:
         """Nothing on ``n`` fits its KV: free the latest-admitted waiting request everywhere."""
@@ -424,6 +448,8 @@ class Simulation:
 
     def _node_done(self, n: _Node) -> None:
         n.busy = False
+        if self.cfg.host_cores is not None:
+            self.hosts[self.host_of[n.id]][0][0] -= 1
         batch, n.batch = n.batch, []
         groups: dict[str, list[_Req]] = {}
         swarm = self.swarm
@@ -443,6 +469,10 @@ class Simulation:
             else:
                 nbytes = sum(r.ctx if r.prefill else 1 for r in reqs) * self.act_bytes
             self._send(n.id, dst, nbytes, reqs)
+        if self.cfg.host_cores is not None:  # a core is free: the host's waiting nodes first, in order
+            running, waiting = self.hosts[self.host_of[n.id]]
+            while waiting and running[0] < self.cfg.host_cores:
+                self._try_start(waiting.popleft())
         self._try_start(n)
 
     # -- coordinator --------------------------------------------------------------------------

@@ -139,3 +139,30 @@ def test_per_step_costs_paid_once_per_stage_and_head_on_the_last(tmp_path) -> No
     costs = dict(step_overhead_ms=[(1, 2.0), (100, 2.0)], head_ms=[(1, 5.0), (8, 5.0)])
     assert decode_gap(pipeline, **costs) == pytest.approx(0.006 + 3 * 0.002 + 0.005)
     assert decode_gap(single, **costs) == pytest.approx(0.006 + 0.002 + 0.005)
+
+
+def test_nodes_sharing_a_host_run_one_iteration_per_core() -> None:
+    from helix.plan import Plan
+    from helix.profile import GpuProfile, ModelProfile, ProfileSet, ThroughputProfile
+    from helix.spec import ClusterSpec
+    from simulator.workload import RequestSpec
+
+    model = ModelProfile(num_layers=6, hidden_size=8, layer_weight_bytes=1.0, kv_bytes_per_token_per_layer=1.0)
+    tp = ThroughputProfile(max_layers=6, prefill_ms_per_layer=[(0, 0), (100, 1.0)],
+                           decode_ms_per_layer=[(0, 0), (1, 1.0), (8, 1.0)], kv_capacity_tokens_by_layers=[1e7] * 6)
+    profiles = ProfileSet(models={"m": model}, gpus={"g": GpuProfile(vram_gb=1, throughput={"m": tp})})
+    cluster = ClusterSpec.model_validate({
+        "name": "t", "model": "m", "profiles": "p.yaml", "coordinator": {"id": "c"},
+        "nodes": [{"id": f"n{i}", "gpu": "g", "address": f"tcp://127.0.0.1:{5551 + i}"} for i in range(3)],
+        "defaults": {"intra_region": {"bandwidth_gbps": 1000, "latency_ms": 0.0}}})
+    plan = Plan(cluster="t", model="m", method="given", placement={"n0": (0, 2), "n1": (2, 4), "n2": (4, 6)},
+                max_flow_tok_s=1.0)
+    trace = [RequestSpec(0.0, 10, 50) for _ in range(30)]
+
+    def run(cores: int | None) -> float:
+        cfg = SimConfig(mode="online", trace=trace, num_requests=30, warmup_s=0.0, duration_s=1e6, host_cores=cores)
+        return simulate(cluster, profiles, plan, cfg).sim_end_s
+
+    free, shared, one = run(None), run(3), run(1)
+    assert shared == pytest.approx(free)  # a core per node: as if on their own devices
+    assert one > 1.5 * free  # one core: the three stages take turns
