@@ -9,7 +9,7 @@ Measures on the paper's 24-node cluster with the paper's MILP placement (flows c
    (requests over the edge / requests routed  vs  edge flow / max flow).
 
 End-to-end serving numbers (concurrent streaming requests, tokens/s ceiling, TTFT on the demo
-cluster) belong to the HTTP coordinator: add them in :func:`serving_numbers` (the hook below).
+cluster) are measured by ``bench/serving.py``.
 
 Run: ``.venv/bin/python bench/router.py``
 """
@@ -78,12 +78,6 @@ def edge_shares(n: int = 10_000) -> list[tuple[str, str, float, float]]:
     return [(s, d, f / total, counts[(s, d)] / n) for (s, d), f in sorted(flows.items())]
 
 
-def serving_numbers() -> Table | None:
-    """Hook for the HTTP coordinator's bench (≥300 concurrent streams, tokens/s ceiling, TTFT
-    under 1/8/32 clients on the demo cluster). Returns None until router.app exists."""
-    return None
-
-
 def main() -> int:
     console = Console()
     median_us, p99_us = decision_time()
@@ -108,11 +102,7 @@ def main() -> int:
         f"edges: {len(rows)}  worst |diff| = {100 * worst_abs:.3f} points, worst relative diff "
         f"(edges with ≥1% of flow) = {100 * worst_rel:.2f}%  (target: within 2%)"
     )
-    extra = serving_numbers()
-    if extra is None:
-        console.print("[dim]serving numbers: pending the HTTP coordinator (bench/router.py:serving_numbers)[/]")
-    else:
-        console.print(extra)
+    console.print("[dim]end-to-end serving numbers: bench/serving.py[/]")
     ok = median_us <= 50 and worst_rel <= 0.02
     return 0 if ok else 1
 
