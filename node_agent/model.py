@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from node_agent.config import ModelConfig, RopeConfig
+from node_agent.kernels import Linear
 from node_agent.kv_cache import RequestKV
 from node_agent.weights import EMBED, FINAL_NORM, LAYER_TENSORS, LM_HEAD
 
@@ -39,13 +40,20 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     return inv_freq
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)  # one fused kernel
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos`` and sign-folded ``sin`` ``[T, 1, head_dim]`` for :func:`apply_rope`, once per step."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    cos, sin = freqs.cos(), freqs.sin()
+    return torch.cat((cos, cos), dim=-1)[:, None, :], torch.cat((-sin, sin), dim=-1)[:, None, :]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` on ``[T, heads, head_dim]``: rotate_half = roll * sign."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 @dataclass(slots=True)
@@ -66,11 +74,11 @@ class Segment:
 @dataclass(slots=True)
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # fused [q; k; v] rows
-    o_proj: torch.Tensor
+    qkv: Linear  # fused [q; k; v] rows
+    o_proj: Linear
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # fused [gate; up] rows
-    down: torch.Tensor
+    gate_up: Linear  # fused [gate; up] rows
+    down: Linear
 
 
 class StageModel:
@@ -83,17 +91,17 @@ class StageModel:
             t = {name: tensors[f"model.layers.{i}.{name}"] for name in LAYER_TENSORS}
             self.layers[i] = LayerWeights(
                 input_norm=t["input_layernorm.weight"],
-                qkv=torch.cat([t["self_attn.q_proj.weight"], t["self_attn.k_proj.weight"],
-                               t["self_attn.v_proj.weight"]]),
-                o_proj=t["self_attn.o_proj.weight"],
+                qkv=Linear(torch.cat([t["self_attn.q_proj.weight"], t["self_attn.k_proj.weight"],
+                                      t["self_attn.v_proj.weight"]])),
+                o_proj=Linear(t["self_attn.o_proj.weight"]),
                 post_norm=t["post_attention_layernorm.weight"],
-                gate_up=torch.cat([t["mlp.gate_proj.weight"], t["mlp.up_proj.weight"]]),
-                down=t["mlp.down_proj.weight"],
+                gate_up=Linear(torch.cat([t["mlp.gate_proj.weight"], t["mlp.up_proj.weight"]])),
+                down=Linear(t["mlp.down_proj.weight"]),
             )
         self.embed_tokens = tensors[EMBED] if start == 0 else None
         self.is_last = end == config.num_layers
         self.final_norm = tensors[FINAL_NORM] if self.is_last else None
-        self.lm_head = (tensors[EMBED] if config.tie_word_embeddings else tensors[LM_HEAD]) if self.is_last else None
+        self.lm_head = Linear(tensors[EMBED] if config.tie_word_embeddings else tensors[LM_HEAD]) if self.is_last else None
         self.inv_freq = rope_inv_freq(config.rope, config.head_dim)
 
     @property
@@ -107,54 +115,67 @@ class StageModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head on ``hidden`` rows ``[n, hidden_size]`` -> ``[n, vocab]``."""
         assert self.final_norm is not None and self.lm_head is not None, "logits() on a non-last stage"
-        return F.linear(rms_norm(hidden, self.final_norm, self.config.rms_norm_eps), self.lm_head)
+        return self.lm_head(rms_norm(hidden, self.final_norm, self.config.rms_norm_eps))
 
     def forward(self, hidden: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
         """Run the stage's layers on the flattened ``hidden`` ``[T, hidden_size]``; writes KV."""
+        positions = torch.cat([torch.arange(s.first_position, s.first_position + s.num_tokens) for s in segments])
+        cos, sin = rope_cos_sin(positions, self.inv_freq)  # once per step, shared by all layers
+        cos, sin = cos.to(hidden.device, hidden.dtype), sin.to(hidden.device, hidden.dtype)
+        sizes = [s.num_tokens for s in segments]
         for layer in range(self.start, self.end):
             active = [s for s in segments if s.layer_start <= layer < s.layer_end]
             if not active:
                 continue
             if len(active) == len(segments):
-                hidden = self._layer(layer, hidden, segments)
+                hidden = self._layer(layer, hidden, segments, sizes, cos, sin)
                 continue
-            rows = torch.cat([torch.arange(s.rows.start, s.rows.stop) for s in active])
+            rows = torch.cat([torch.arange(s.rows.start, s.rows.stop) for s in active]).to(hidden.device)
             packed, offset = [], 0
             for s in active:
                 packed.append(Segment(slice(offset, offset + s.num_tokens), s.kv, s.first_position,
                                       s.layer_start, s.layer_end))
                 offset += s.num_tokens
-            hidden = hidden.index_copy(0, rows, self._layer(layer, hidden[rows], packed))
+            out = self._layer(layer, hidden[rows], packed, [s.num_tokens for s in packed], cos[rows], sin[rows])
+            hidden = hidden.index_copy(0, rows, out)
         return hidden
 
-    def _layer(self, layer: int, x: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+    def _layer(self, layer: int, x: torch.Tensor, segments: list[Segment], sizes: list[int],
+               cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         cfg, w = self.config, self.layers[layer]
-        n_q, n_kv, d = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
-        qkv = F.linear(rms_norm(x, w.input_norm, cfg.rms_norm_eps), w.qkv)
-        q = qkv[:, :n_q].view(-1, cfg.num_heads, d)
-        k = qkv[:, n_q:n_q + n_kv].view(-1, cfg.num_kv_heads, d)
-        v = qkv[:, n_q + n_kv:].view(-1, cfg.num_kv_heads, d)
-        positions = torch.cat([torch.arange(s.first_position, s.first_position + s.num_tokens) for s in segments])
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        outs = [self._attend(layer, s, q[s.rows], k[s.rows], v[s.rows]) for s in segments]
-        x = x + F.linear(torch.cat(outs), w.o_proj)
-        gate, up = F.linear(rms_norm(x, w.post_norm, cfg.rms_norm_eps), w.gate_up).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, w.down)
+        h, n_kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv = w.qkv(rms_norm(x, w.input_norm, cfg.rms_norm_eps))
+        qk = apply_rope(qkv[:, :(h + n_kv) * d].view(-1, h + n_kv, d), cos, sin)  # q and k in one go
+        v = qkv[:, (h + n_kv) * d:].view(-1, n_kv, d)
+        if len(segments) == 1:
+            qs, ks, vs = (qk[:, :h],), (qk[:, h:],), (v,)
+        else:
+            qs, ks, vs = qk[:, :h].split(sizes), qk[:, h:].split(sizes), v.split(sizes)
+        outs = [self._attend(layer, s, q, k, v) for s, q, k, v in zip(segments, qs, ks, vs, strict=True)]
+        x = w.o_proj.add(outs[0] if len(outs) == 1 else torch.cat(outs), x)
+        gate, up = w.gate_up(rms_norm(x, w.post_norm, cfg.rms_norm_eps)).chunk(2, dim=-1)
+        return w.down.add(F.silu(gate).mul_(up), x)
 
     def _attend(self, layer: int, seg: Segment, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Attention of one request's new tokens against its cached + new keys."""
+        """Attention of one request's new tokens (``q`` ``[n, heads, d]``) against its cached + new keys.
+
+        Grouped-query attention without ``enable_gqa`` (which sends SDPA to its slow math path):
+        a decode row folds the query heads of each KV head into that head's query rows; a prefill
+        chunk repeats the KV heads explicitly. Either way, with 4-D inputs, SDPA takes its fused (flash) CPU kernel.
+        """
         n, p0 = seg.num_tokens, seg.first_position
-        keys, values = seg.kv.write(layer, p0, k.transpose(0, 1), v.transpose(0, 1))
-        qh = q.transpose(0, 1)  # [heads, n, d]
-        if n == 1:
-            out = F.scaled_dot_product_attention(qh, keys, values, enable_gqa=True)
-        elif p0 == 0:
-            out = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, enable_gqa=True)
+        keys, values = seg.kv.write(layer, p0, k.transpose(0, 1), v.transpose(0, 1))  # [kv_heads, L, d]
+        kv_heads, heads, d = keys.shape[0], q.shape[1], q.shape[2]
+        if n == 1:  # head j uses KV head j // group (transformers' repeat_kv order)
+            out = F.scaled_dot_product_attention(q.view(1, kv_heads, heads // kv_heads, d), keys[None], values[None])
+            return out.reshape(1, heads * d)
+        if heads != kv_heads:
+            keys = keys.repeat_interleave(heads // kv_heads, dim=0)
+            values = values.repeat_interleave(heads // kv_heads, dim=0)
+        qh = q.transpose(0, 1)[None]  # [1, heads, n, d]: 4-D, else CPU SDPA falls back to its math path
+        if p0 == 0:
+            out = F.scaled_dot_product_attention(qh, keys[None], values[None], is_causal=True)
         else:
-            mask = torch.ones(n, p0 + n, dtype=torch.bool).tril(diagonal=p0)
-            out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, enable_gqa=True)
-        return out.transpose(0, 1).reshape(n, -1)
+            mask = torch.ones(n, p0 + n, dtype=torch.bool, device=q.device).tril(diagonal=p0)
+            out = F.scaled_dot_product_attention(qh, keys[None], values[None], attn_mask=mask)
+        return out[0].transpose(0, 1).reshape(n, -1)
