@@ -265,7 +265,8 @@ def _layer_tensors(engine: Any) -> list[Any]:
     """Every weight tensor of the engine's decoder layers (not embedding / LM head)."""
     import dataclasses
 
-    return [getattr(w, f.name) for w in engine.model.layers.values() for f in dataclasses.fields(w)]
+    fields = [getattr(w, f.name) for w in engine.model.layers.values() for f in dataclasses.fields(w)]
+    return [getattr(t, "weight", t) for t in fields]  # a packed linear keeps its plain weight
 
 
 def memory_limits(
