@@ -99,14 +99,15 @@ def _decompose(flows: dict[tuple[str, str], float], coord: str) -> list[tuple[li
         out_edges.setdefault(a, []).append(b)
     paths: list[tuple[list[str], float]] = []
     while len(paths) < MAX_PATHS:
-        v, path, amount = coord, [], float("inf")
+        v, amount = coord, float("inf")
+        path: list[str] = []
         steps = 0
         while True:
             nxt = [w for w in out_edges.get(v, []) if rest.get((v, w), 0.0) > 1e-6]
             if not nxt or steps > 10_000:
                 path = []
                 break
-            w = max(nxt, key=lambda w, v=v: (rest[(v, w)], w))
+            w = max(nxt, key=lambda cand: (rest[(v, cand)], cand))  # noqa: B023 - used at once
             amount = min(amount, rest[(v, w)])
             steps += 1
             if w == coord:
@@ -293,8 +294,8 @@ class ServingModel:
             for j, p in enumerate(paths):
                 for n in p:
                     through.setdefault(n, []).append(j)
-                for e in zip([coord, *p], [*p, coord], strict=True):
-                    over.setdefault(e, []).append(j)
+                for link in zip([coord, *p], [*p, coord], strict=True):
+                    over.setdefault(link, []).append(j)
             rows_kind: list[str] = rows_kind_pre
             for n, js in through.items():
                 s, e = placement[n]
