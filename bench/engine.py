@@ -8,19 +8,24 @@ When the engine is idle the clock jumps to the next arrival instead of sleeping.
 
 1. **Iteration-level vs request-level batching (Orca's workload).** Prompts U(32, 512), outputs
    U(1, 128) tokens (generated to their length, stop tokens ignored), Poisson arrivals. Both run
-   the same engine with the same batch limit and unchunked prefill; the baseline only lets new
-   requests join an empty batch and, as Orca §2 describes it, returns a batch's results when its
+   the same engine with the same limits (max batch 16, unchunked prefill, a token budget of
+   16 x 512 so that, as in Orca's Algorithm 1, only the batch size and the KV reservation bound
+   a step: several whole prompts are prefilled in one iteration). Iteration-level (Orca) admits
+   new requests between any two steps. The baseline (FasterTransformer-style) only lets new
+   requests join an empty batch: their prompts are prefilled together, then decoded together
+   until the last one finishes; as Orca §2 describes it, it returns a batch's results when its
    last request is done (the same run is also scored with each result returned as soon as it is
-   done). Both are swept over the same arrival rates (scaled to a calibrated service rate); the
-   figure is throughput at equal median normalized latency (latency / output tokens): the
-   iteration-level rate at its highest load vs the rate at which the baseline reaches the same
-   latency, interpolated on its curve.
+   done). Both are swept over the same arrival rates (fractions of a calibrated service rate
+   μ). The figure is throughput at equal median normalized latency (latency / output tokens):
+   for each iteration-level load (rate r, median latency L), the rate r' at which the baseline's
+   curve reaches L, linearly interpolated between its two measured rates around L; ratio r / r'.
+   The headline is the ratio at the highest iteration-level load that the baseline's curve spans.
 2. **Chunked prefill on vs off (Sarathi).** Decodes are running while long prompts arrive; the
    figure is p99 time-between-tokens of the decodes, and the throughput cost (tokens / busy s).
 
 Slots for the vLLM backend and the multi-agent pipeline comparisons: :data:`SECTIONS`.
 
-Run: ``.venv/bin/python bench/engine.py`` (about 8 min of CPU) or ``--quick``.
+Run: ``.venv/bin/python bench/engine.py`` (27 min wall on 2 shared cores) or ``--quick`` (fewer requests and loads).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -48,7 +53,7 @@ from node_agent.gguf_convert import cached_model_dir  # noqa: E402
 from node_agent.sampling import SamplingParams  # noqa: E402
 from node_agent.scheduler import SchedulerConfig  # noqa: E402
 
-console = Console()
+console = Console(width=None if sys.stdout.isatty() else 200)
 VOCAB = 49152
 
 
@@ -68,7 +73,9 @@ class Trace:
     token_s: dict[str, list[float]] = field(default_factory=dict)
     drained_s: list[float] = field(default_factory=list)  # times the running set became empty
     busy_s: float = 0.0
+    prefill_busy_s: float = 0.0  # a mixed step's time split by token count (overstates prefill a little)
     tokens_processed: int = 0
+    batch_sizes: list[int] = field(default_factory=list)  # requests per step
 
     def normalized_latency(self, rid: str, at_batch_end: bool = False) -> float:
         """Latency / output tokens; ``at_batch_end``: results returned when the whole batch is done."""
@@ -81,6 +88,9 @@ class Trace:
         first = min(a.arrival_s for a in self.arrivals.values())
         last = max(times[-1] for times in self.token_s.values())
         return len(self.arrivals) / (last - first)
+
+    def mean_batch(self) -> float:
+        return statistics.fmean(self.batch_sizes) if self.batch_sizes else 0.0
 
     def between_tokens_s(self, rids: list[str]) -> list[float]:
         return [b - a for rid in rids for a, b in zip(self.token_s[rid], self.token_s[rid][1:], strict=False)]
@@ -105,7 +115,9 @@ def run_trace(engine: StageEngine, arrivals: list[Arrival], on_done: Callable[[]
         dt = time.process_time() - t0
         clock += dt
         trace.busy_s += dt
+        trace.prefill_busy_s += dt * result.num_prefill_tokens / max(1, result.num_tokens)
         trace.tokens_processed += result.num_tokens
+        trace.batch_sizes.append(len(result.outputs))
         for out in result.outputs:
             if out.token is not None:
                 trace.token_s[out.request_id].append(clock)
@@ -141,76 +153,126 @@ def orca_workload(n: int, rate_req_s: float, seed: int = 0) -> list[Arrival]:
     return out
 
 
-def calibrate(model_dir: Path) -> float:
-    """Rough service rate (req/s) of one engine on Orca's mean request, from two real steps."""
+@dataclass(frozen=True, slots=True)
+class Calibration:
+    """CPU seconds of real steps: a 272-token prefill (Orca's mean prompt), decode steps at batch 1/16."""
+
+    prefill_s: float
+    decode1_s: float
+    decode16_s: float
+
+    @property
+    def service_rate(self) -> float:
+        """Rough req/s on Orca's mean request (272-token prompt, 64 output tokens)."""
+        return 1.0 / (self.prefill_s + 64 * self.decode1_s / 8)  # decodes shared by ~8 running requests
+
+    def describe(self) -> str:
+        per_request_decode = 64 * self.decode16_s / 16
+        return (f"cost profile (1 thread): a 272-token prefill {self.prefill_s:.3f} s = "
+                f"{self.prefill_s / self.decode1_s:.0f} batch-1 decode steps; a decode step {self.decode1_s:.3f} s "
+                f"at batch 1, {self.decode16_s:.3f} s at batch 16; so the mean request at batch 16 spends "
+                f"{self.prefill_s:.2f} s in prefill vs {per_request_decode:.2f} s in its 64 decodes "
+                f"({100 * self.prefill_s / (self.prefill_s + per_request_decode):.0f}% prefill), and batching "
+                f"can only shrink the decode part")
+
+
+def _timed_step(engine: StageEngine) -> float:
+    t0 = time.process_time()
+    engine.step()
+    return time.process_time() - t0
+
+
+def calibrate(model_dir: Path) -> Calibration:
+    """Time real steps of one engine: a 272-token prefill, then decode steps at batch 1 and 16."""
+    rng = random.Random(1)
     engine = make_engine(model_dir, SchedulerConfig(max_batch_size=16, token_budget=1024, chunk_size=None))
-    engine.add_request("p", SamplingParams(max_tokens=64), prompt_token_ids=prompt(random.Random(1), 272))
-    t0 = time.process_time()
-    engine.step()
-    prefill_s = time.process_time() - t0
-    t0 = time.process_time()
-    engine.step()
-    decode_s = time.process_time() - t0
-    return 1.0 / (prefill_s + 64 * decode_s / 8)  # decodes shared by ~8 running requests
+    engine.add_request("p", SamplingParams(max_tokens=64), prompt_token_ids=prompt(rng, 272))
+    prefill_s = _timed_step(engine)
+    decode1_s = min(_timed_step(engine) for _ in range(3))
+    engine = make_engine(model_dir, SchedulerConfig(max_batch_size=16, token_budget=1024, chunk_size=None))
+    for i in range(16):
+        engine.add_request(f"d{i}", SamplingParams(max_tokens=64), prompt_token_ids=prompt(rng, 64))
+    engine.step()  # the 16 prompts, prefilled together
+    decode16_s = min(_timed_step(engine) for _ in range(3))
+    return Calibration(prefill_s, decode1_s, decode16_s)
 
 
 def rate_at_latency(curve: list[tuple[float, float]], latency: float) -> float | None:
     """Arrival rate at which a (rate, median normalized latency) curve reaches ``latency``.
 
-    Linear interpolation between the two measured rates around the crossing; the last rate if
-    the curve stays under ``latency``; ``None`` if it is above it at every rate.
+    Linear interpolation between the two measured rates around the first crossing; ``None`` if
+    the curve does not span ``latency`` (under it at every rate, or above it at every rate).
     """
     if curve[0][1] > latency:
         return None
     for (r0, l0), (r1, l1) in zip(curve, curve[1:], strict=False):
-        if l1 > latency:
-            return r0 + (latency - l0) / (l1 - l0) * (r1 - r0)
-    return curve[-1][0]
+        if l1 >= latency:
+            return r0 + (latency - l0) / (l1 - l0) * (r1 - r0) if l1 > l0 else r0
+    return None
 
 
-ORCA_RUNS = {  # scheduling runs: label -> (request_level, chunk_size)
-    "iteration": (False, None),
-    "iteration+chunk128": (False, 128),
-    "request-level": (True, None),
-}
+MAX_BATCH = 16
+ORCA_SCHED = SchedulerConfig(max_batch_size=MAX_BATCH, token_budget=MAX_BATCH * 512, chunk_size=None)
+ORCA_RUNS = {"iteration": False, "request-level": True}  # scheduling runs: label -> request_level
 BASELINES = {  # how the request-level run is scored: label -> results returned only at batch end
     "request, batch-end": True,  # Orca's baseline: a batch's results come back together
     "request, early": False,  # each result as soon as it is done
 }
 
 
+def equal_latency_ratios(it_curve: list[tuple[float, float]],
+                         base_curve: list[tuple[float, float]]) -> list[tuple[float, float, float | None]]:
+    """(iteration rate, its median latency, iteration rate / baseline rate at that latency or None)."""
+    out = []
+    for rate, latency in it_curve:
+        base_rate = rate_at_latency(base_curve, latency)
+        out.append((rate, latency, rate / base_rate if base_rate else None))
+    return out
+
+
 def iteration_vs_request(model_dir: Path, quick: bool, progress: Progress) -> Table:
     n = 6 if quick else 14
-    loads = [0.25, 0.45]
-    mu = calibrate(model_dir)
+    loads = [0.15, 0.35, 0.55] if quick else [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7]
+    calib = calibrate(model_dir)
+    mu = calib.service_rate
     task = progress.add_task("Orca workload", total=len(ORCA_RUNS) * n * len(loads))
     curves: dict[str, list[tuple[float, float]]] = {}
+    prefill_share: dict[str, list[float]] = {}
     table = Table(title=f"1. Iteration-level vs request-level batching (Orca workload, {n} requests per run, "
-                        f"calibrated service rate μ ≈ {mu:.2f} req/s)")
-    for col in ("mode", "offered req/s", "completed req/s", "median norm. latency s/token", "p90 norm. latency"):
+                        f"max batch {MAX_BATCH}, unchunked, calibrated service rate μ ≈ {mu:.2f} req/s)")
+    for col in ("mode", "load", "offered req/s", "completed req/s", "median norm. latency s/token",
+                "p90 norm. latency", "prefill share of busy s", "mean batch"):
         table.add_column(col, justify="right")
     for load in loads:
         rate = load * mu
-        for run, (request_level, chunk) in ORCA_RUNS.items():
-            sched = SchedulerConfig(max_batch_size=16, token_budget=1024, chunk_size=chunk, request_level=request_level)
+        for run, request_level in ORCA_RUNS.items():
+            sched = replace(ORCA_SCHED, request_level=request_level)
             trace = run_trace(make_engine(model_dir, sched), orca_workload(n, rate), lambda: progress.advance(task))
             scorings = BASELINES if request_level else {run: False}
+            share = trace.prefill_busy_s / trace.busy_s
+            prefill_share.setdefault(run, []).append(share)
             for mode, at_batch_end in scorings.items():
                 lat = sorted(trace.normalized_latency(r, at_batch_end) for r in trace.arrivals)
                 curves.setdefault(mode, []).append((rate, statistics.median(lat)))
                 progress.console.print(f"  {mode} at {rate:.3f} req/s: median normalized latency "
                                        f"{statistics.median(lat):.3f} s/token")
-                table.add_row(mode, f"{rate:.3f}", f"{trace.throughput_req_s():.3f}",
-                              f"{statistics.median(lat):.3f}", f"{lat[int(0.9 * (len(lat) - 1))]:.3f}")
-    lines = []
-    for it_mode in [m for m in ORCA_RUNS if not ORCA_RUNS[m][0]]:
-        it_rate, target = curves[it_mode][-1]
-        for base in BASELINES:
-            rq_rate = rate_at_latency(curves[base], target)
-            ratio = (f"> {it_rate / curves[base][0][0]:.2f}x" if rq_rate is None  # above it at every rate
-                     else f"{it_rate / rq_rate:.2f}x")
-            lines.append(f"{it_mode} ({it_rate:.3f} req/s at {target:.3f} s/token) / {base}: {ratio}")
-    table.caption = "throughput at equal median normalized latency (target ≥ 2x):\n" + "\n".join(lines)
+                table.add_row(mode, f"{load:.2f}", f"{rate:.3f}", f"{trace.throughput_req_s():.3f}",
+                              f"{statistics.median(lat):.3f}", f"{lat[int(0.9 * (len(lat) - 1))]:.3f}",
+                              f"{100 * share:.0f}%", f"{trace.mean_batch():.1f}")
+    lines = ["throughput at equal median normalized latency, iteration / baseline (target ≥ 2x), "
+             "per iteration-level load (— where the baseline's curve does not reach that latency):"]
+    for base in BASELINES:
+        ratios = equal_latency_ratios(curves["iteration"], curves[base])
+        spanned = [r for r in ratios if r[2] is not None]
+        per_load = "  ".join(f"{load:.2f}: {'—' if x is None else f'{x:.2f}x'}"
+                             for load, (_, _, x) in zip(loads, ratios, strict=True))
+        head = (f"{spanned[-1][2]:.2f}x at {spanned[-1][0]:.3f} req/s, {spanned[-1][1]:.3f} s/token"
+                if spanned else "undefined")
+        lines.append(f"vs {base}: {per_load}  → headline {head}")
+    lines.append("prefill share of busy CPU time: " + ", ".join(
+        f"{run} {100 * min(v):.0f}–{100 * max(v):.0f}%" for run, v in prefill_share.items()))
+    lines.append(calib.describe())
+    table.caption = "\n".join(lines)
     return table
 
 
@@ -255,7 +317,7 @@ SECTIONS: dict[str, Callable[[Path, bool, Progress], Table]] = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer requests (~3 min of CPU)")
+    parser.add_argument("--quick", action="store_true", help="6 requests per run, 3 loads")
     parser.add_argument("--only", choices=sorted(SECTIONS), action="append", help="run only these sections")
     args = parser.parse_args()
     torch.set_num_threads(1)
