@@ -1,7 +1,7 @@
 """A real serving cluster shared by the HTTP and failover tests (started once, only if used).
 
 Three ``helix agent`` subprocesses serve SmolLM2-135M on loopback with the test placement
-``cpu-0: [0, 30)``, ``cpu-1: [0, 18)``, ``cpu-2: [18, 30)`` - pipelines ``cpu-0`` alone or
+``cpu-0: [0, 30)``, ``cpu-1: [0, 16)``, ``cpu-2: [16, 30)`` - pipelines ``cpu-0`` alone or
 ``cpu-1 -> cpu-2`` / ``cpu-1 -> cpu-0`` (a partial hand-off), so losing any one agent leaves a
 complete pipeline. The coordinator runs in this process under uvicorn on a background thread,
 with API key ``test-key``.
@@ -22,7 +22,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO_CLUSTER = REPO / "clusters" / "demo" / "cluster.yaml"
-TEST_PLACEMENT = {"cpu-0": (0, 30), "cpu-1": (0, 18), "cpu-2": (18, 30)}
+TEST_PLACEMENT = {"cpu-0": (0, 30), "cpu-1": (0, 16), "cpu-2": (16, 30)}
 API_KEY = "test-key"
 MODEL = "smollm2-135m"
 

@@ -19,7 +19,7 @@ from router.request_state import Finish, GenerationRequest
 from router.tokenizer import ChatTokenizer, ensure_tokenizer_dir
 
 REPO = Path(__file__).resolve().parents[2]
-PLACEMENT = {"cpu-0": (0, 30), "cpu-1": (0, 18), "cpu-2": (18, 30)}
+PLACEMENT = {"cpu-0": (0, 30), "cpu-1": (0, 16), "cpu-2": (16, 30)}
 
 
 class RecordingIO:
