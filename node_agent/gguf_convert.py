@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -155,6 +158,22 @@ def cached_model_dir(gguf_path: str | Path | None = None, cache_root: str | Path
     if done.is_file() and done.read_text() == stamp:
         return out_dir
     log.info("converting %s -> %s (once)", gguf_path, out_dir)
-    convert_gguf(gguf_path, out_dir)
-    done.write_text(stamp)
+    # convert beside the target and rename it into place, so that agents starting together
+    # never read a half-written dir: the stamp is inside before the dir gets its name
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        convert_gguf(gguf_path, tmp)
+        (tmp / done.name).write_text(stamp)
+        try:
+            os.rename(tmp, out_dir)
+        except OSError:  # the target exists: another process finished first, or it is stale
+            if done.is_file() and done.read_text() == stamp:
+                return out_dir
+            stale = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.stale.", dir=out_dir.parent))
+            os.rename(out_dir, stale / "old")
+            os.rename(tmp, out_dir)
+            shutil.rmtree(stale, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
