@@ -292,10 +292,10 @@ def engine_figures(levels: list[int], max_tokens: int) -> dict[int, LoadResult]:
     from node_agent.engine import StageEngine
     from node_agent.gguf_convert import cached_model_dir
     from node_agent.sampling import SamplingParams
-    from router.tokenizer import ChatTokenizer
+    from router.tokenizer import ChatTokenizer, ensure_tokenizer_dir
 
     torch.set_num_threads(1)
-    model_dir = cached_model_dir()
+    model_dir = ensure_tokenizer_dir(cached_model_dir())
     tok = ChatTokenizer.from_dir(model_dir)
     engine = StageEngine(model_dir)
     out: dict[int, LoadResult] = {}

