@@ -18,13 +18,11 @@ on them) do not depend on the solver's path.
 
 from __future__ import annotations
 
-import highspy
 import networkx as nx
-import numpy as np
 
 from helix.plan import FlowEdge
-from planner.graph import SINK, SOURCE, CapacityModel, Placement, build_graph, flow_edges
-from planner.highs_model import run
+from planner.graph import SINK, SOURCE, CapacityModel, Placement, build_graph, evaluate, flow_edges
+from planner.highs_model import INF, Model
 
 
 def balanced_flows(
@@ -38,62 +36,25 @@ def balanced_flows(
         return 0.0, []
     edges = list(g.edges(data="capacity"))
     idx = {(u, v): j for j, (u, v, _) in enumerate(edges)}
-    n = len(edges)
-    h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
-    h.setOptionValue("threads", 1)
-    h.setOptionValue("time_limit", 20.0)
-    lp = highspy.HighsLp()
-    lp.num_col_ = n
-    lp.col_cost_ = np.zeros(n)
-    lp.col_lower_ = np.zeros(n)
-    lp.col_upper_ = np.array([float(c) if c is not None else highspy.kHighsInf for _, _, c in edges])
-    rows: list[tuple[list[int], list[float], float, float]] = []
+    m = Model()
+    for _, _, c in edges:
+        m.add_col(0.0, float(c) if c is not None else INF)
     for v in g.nodes:
         if v in (SOURCE, SINK):
             continue
         ins = [idx[(u, v)] for u in g.predecessors(v)]
         outs = [idx[(v, w)] for w in g.successors(v)]
-        rows.append((ins + outs, [1.0] * len(ins) + [-1.0] * len(outs), 0.0, 0.0))
+        m.add_row(ins + outs, [1.0] * len(ins) + [-1.0] * len(outs), 0.0, 0.0)
     src = [idx[(SOURCE, w)] for w in g.successors(SOURCE)]
     slack = 1e-7 * value
-    rows.append((src, [1.0] * len(src), value - slack, value + slack))
-    lp.num_row_ = len(rows)
-    lp.row_lower_ = np.array([r[2] for r in rows])
-    lp.row_upper_ = np.array([r[3] for r in rows])
-    start, index, val = [0], [], []
-    for i, v_, _, _ in rows:
-        index.extend(i)
-        val.extend(v_)
-        start.append(len(index))
-    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
-    lp.a_matrix_.start_ = np.array(start, dtype=np.int32)
-    lp.a_matrix_.index_ = np.array(index, dtype=np.int32)
-    lp.a_matrix_.value_ = np.array(val, dtype=float)
-    h.passModel(lp)
-    diag = [(j, 2.0 / float(c)) for j, (u, v, c) in enumerate(edges)
-            if u.endswith("/in") and v.endswith("/out") and u[:-3] == v[:-4] and c]
-    hs = highspy.HighsHessian()
-    hs.dim_ = n
-    hs.format_ = highspy.HessianFormat.kTriangular
+    m.add_row(src, [1.0] * len(src), value - slack, value + slack)
     # a tiny term on every edge makes the optimum unique (edge flows are otherwise degenerate)
-    by_col = {j: 1e-6 * 2.0 / float(c) for j, (_, _, c) in enumerate(edges) if c}
-    by_col.update(diag)
-    hstart, hindex, hvalue = [0], [], []
-    for j in range(n):
-        if j in by_col:
-            hindex.append(j)
-            hvalue.append(by_col[j])
-        hstart.append(len(hindex))
-    hs.start_ = np.array(hstart, dtype=np.int32)
-    hs.index_ = np.array(hindex, dtype=np.int32)
-    hs.value_ = np.array(hvalue, dtype=float)
-    h.passHessian(hs)
-    run(h)
-    x = list(h.getSolution().col_value)
-    if h.getModelStatus() != highspy.HighsModelStatus.kOptimal or len(x) != n:
-        from planner.graph import evaluate
-
+    m.quadratic = {j: 1e-6 * 2.0 / float(c) for j, (_, _, c) in enumerate(edges) if c}
+    m.quadratic.update((j, 2.0 / float(c)) for j, (u, v, c) in enumerate(edges)
+                       if u.endswith("/in") and v.endswith("/out") and u[:-3] == v[:-4] and c)
+    sol = m.solve(time_limit_s=20.0, threads=1)
+    x = sol.x
+    if sol.status != "optimal" or len(x) != len(edges):
         res = evaluate(cap, placement, partial_handoffs=partial_handoffs, with_cut=False)
         return res.max_flow_tok_s, res.flows
     coord = cap.coordinator

@@ -29,6 +29,7 @@ class Model:
     cost: list[float] = field(default_factory=list)
     integer: list[bool] = field(default_factory=list)
     rows: list[tuple[list[int], list[float], float, float]] = field(default_factory=list)
+    quadratic: dict[int, float] = field(default_factory=dict)  # column -> Q_jj of the cost's ½ x'Qx
 
     def add_col(self, lo: float = 0.0, hi: float = INF, cost: float = 0.0, integer: bool = False) -> int:
         self.lower.append(lo)
@@ -71,6 +72,8 @@ class Model:
                 highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous for i in self.integer
             ]
         h.passModel(lp)
+        if self.quadratic:
+            h.passHessian(self._hessian(n))
         run(h)
         status = h.getModelStatus()
         text = h.modelStatusToString(status).lower()
@@ -86,6 +89,22 @@ class Model:
         obj = info.objective_function_value if has_sol else float("nan")
         bound = getattr(info, "mip_dual_bound", obj) if any(self.integer) else obj
         return Solution(status=text, x=x, objective=obj, dual_bound=bound)
+
+    def _hessian(self, n: int) -> highspy.HighsHessian:
+        """The diagonal Hessian of :attr:`quadratic` (triangular format, one entry a column)."""
+        hs = highspy.HighsHessian()
+        hs.dim_ = n
+        hs.format_ = highspy.HessianFormat.kTriangular
+        start, index, value = [0], [], []
+        for j in range(n):
+            if j in self.quadratic:
+                index.append(j)
+                value.append(self.quadratic[j])
+            start.append(len(index))
+        hs.start_ = np.array(start, dtype=np.int32)
+        hs.index_ = np.array(index, dtype=np.int32)
+        hs.value_ = np.array(value, dtype=float)
+        return hs
 
 
 def run(h: highspy.Highs) -> None:
