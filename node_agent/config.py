@@ -52,6 +52,12 @@ class ModelConfig:
         """Bytes of K and V one token occupies in one layer."""
         return 2 * self.num_kv_heads * self.head_dim * dtype_bytes
 
+    def layer_weight_bytes(self, dtype_bytes: int = 4) -> int:
+        """Bytes of one decoder layer's weights (attention, SwiGLU MLP, two RMSNorms)."""
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        params = h * q + 2 * h * kv + q * h + 3 * h * self.intermediate_size + 2 * h
+        return params * dtype_bytes
+
 
 def _field(raw: dict[str, Any], key: str, source: str) -> Any:
     if key not in raw:

@@ -60,8 +60,11 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
         cumulative = torch.softmax(sorted_scores, dim=-1).cumsum(-1)
         drop = cumulative - torch.softmax(sorted_scores, dim=-1) >= params.top_p  # keep the token crossing p
         scores = scores.scatter(0, order, sorted_scores.masked_fill(drop, float("-inf")))
-    probs = torch.softmax(scores, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    # inverse CDF with one uniform draw: the same distribution as torch.multinomial, ~10x
+    # cheaper on CPU (multinomial draws an exponential per vocabulary entry)
+    cdf = torch.softmax(scores, dim=-1).cumsum(0, dtype=torch.float64)
+    u = torch.rand(1, generator=generator, dtype=torch.float64) * cdf[-1]
+    return min(int(torch.searchsorted(cdf, u, right=True)), cdf.numel() - 1)
 
 
 def finish_reason(token: int, num_generated: int, params: SamplingParams) -> str | None:

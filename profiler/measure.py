@@ -1,15 +1,18 @@
 """Measuring one device through the real engine: per-layer latency curves, KV capacity, layer limit.
 
-:func:`measure_device` builds :class:`node_agent.engine.StageEngine` stages of the model (one
-middle layer, ``probe_layers`` middle layers, the last layer with the LM head) and drives each
-exactly as an agent does, with ``add_request`` / ``push_hidden`` / ``step``:
+:func:`measure_device` builds :class:`node_agent.engine.StageEngine` stages of the model (two
+runs of middle layers of different lengths, and the last layer with the LM head) and drives
+each exactly as an agent does, with ``add_request`` / ``push_hidden`` / ``step``:
 
 * **prefill**: one request of ``t`` prompt tokens in one step (chunking off), for every ``t`` in
   ``prefill_tokens``; the median step time of ``repeats`` runs;
 * **decode**: ``b`` requests with ``context_tokens`` of context each, one new token each per
   step, for every ``b`` in ``decode_batches``; likewise.
 
-From the three stages' step times come the per-layer curves (see :func:`measure_device`).
+From the three stages' step times come the per-layer curves (see :func:`measure_device`). The
+two middle stages are long enough that their weights do not fit the device's last-level cache
+(:func:`probe_stage_layers`): a real stage streams its weights from memory every step, and a
+one-layer probe that stays in cache made decode look up to twice as cheap as it is on CPU.
 
 KV capacity comes from free memory (``MemAvailable`` on CPU, ``torch.cuda.mem_get_info`` on a
 GPU) divided among the nodes sharing the device, times ``MEMORY_UTILIZATION``, minus the
@@ -37,7 +40,7 @@ DEFAULT_PREFILL_TOKENS = (16, 64, 128, 256)  # the agent's prefill chunk is 256
 DEFAULT_DECODE_BATCHES = (1, 2, 4, 8, 16, 32)
 DEFAULT_CONTEXT_TOKENS = 64
 DEFAULT_MIN_KV_TOKENS_PER_LAYER = 65536
-MEASURE_VERSION = 4  # bump when what measure_device returns changes (invalidates caches)
+MEASURE_VERSION = 5  # bump when what measure_device returns changes (invalidates caches)
 
 Progress = Callable[[str], None]
 
@@ -46,11 +49,11 @@ Progress = Callable[[str], None]
 class MeasureSettings:
     """What to measure; part of the cache key so changed settings re-measure."""
 
-    probe_layers: int = 4
+    probe_layers: int | None = None  # the longer middle stage; None: out of cache (probe_stage_layers)
     prefill_tokens: tuple[int, ...] = DEFAULT_PREFILL_TOKENS
     decode_batches: tuple[int, ...] = DEFAULT_DECODE_BATCHES
     context_tokens: int = DEFAULT_CONTEXT_TOKENS
-    repeats: int = 3
+    repeats: int = 5
     min_kv_tokens_per_layer: int = DEFAULT_MIN_KV_TOKENS_PER_LAYER
 
     def key(self) -> dict[str, Any]:
@@ -81,6 +84,41 @@ def device_name(device: str = "cpu") -> str:
     return f"cpu:{model}"
 
 
+def last_level_cache_bytes(device: str = "cpu") -> int:
+    """Size of the device's last-level cache (CPU L3 from sysfs, a GPU's L2); 0 if unknown."""
+    if device.startswith("cuda"):
+        import torch
+
+        return int(getattr(torch.cuda.get_device_properties(torch.device(device)), "L2_cache_size", 0))
+    best = 0
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = f.read_text().strip().upper()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            best = max(best, int(digits) * scale)
+    return best
+
+
+def probe_stage_layers(num_layers: int, layer_bytes: int, cache_bytes: int, longer: int | None = None) -> tuple[int, int]:
+    """(shorter, longer) middle-stage lengths for the per-layer slope.
+
+    The shorter stage's weights are at least twice the last-level cache, so neither stage runs
+    from cache (a deployed stage does not); the longer one is twice as long (at least three
+    layers more). Both fit between the first and the last layer. ``longer`` overrides.
+    """
+    room = max(2, num_layers - 2)
+    if longer is not None:
+        big = max(2, min(longer, room))
+        return max(1, big // 2), big
+    small = max(1, -(-2 * cache_bytes // max(1, layer_bytes)))
+    big = min(room, max(small + 3, 2 * small))
+    return min(small, big - 1), big
+
+
 def free_memory_bytes(device: str = "cpu") -> int:
     """Memory an engine could still allocate on ``device``."""
     if device.startswith("cuda"):
@@ -97,6 +135,13 @@ def free_memory_bytes(device: str = "cpu") -> int:
     import os
 
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+
+
+def step_clock(device: str) -> Callable[[], float]:
+    """The clock a step is timed by: on CPU the measuring thread's CPU time (the engine runs one
+    torch thread, in the caller), so time the OS gives other processes is not counted as the
+    node's work — sharing a host's cores is the simulator's ``host_cores``; on a GPU wall time."""
+    return time.perf_counter if str(device).startswith("cuda") else time.thread_time
 
 
 def _median_ms(samples: list[float]) -> float:
@@ -120,10 +165,12 @@ def _step_curves(engine: Any, settings: MeasureSettings, note: Progress, label: 
         engine.push_hidden(rid, torch.randn(tokens, hidden))
         return rid
 
+    clock = step_clock(str(getattr(engine, "device", "cpu")))
+
     def timed_step() -> float:
-        t0 = time.perf_counter()
+        t0 = clock()
         engine.step()
-        return time.perf_counter() - t0
+        return clock() - t0
 
     warm = add(32)  # warm-up: first-call allocations
     engine.step()
@@ -162,11 +209,12 @@ def measure_device(
 ) -> dict[str, Any]:
     """Per-layer prefill/decode curves of ``model_dir`` on this machine's engine (CPU, float32).
 
-    Three engines are timed: middle layer 1 alone and layers ``[1, 1 + probe_layers)`` — the
-    per-layer cost is the slope between them, so the engine's fixed per-step cost (scheduling,
+    Three engines are timed: two runs of middle layers from layer 1, of the lengths
+    :func:`probe_stage_layers` picks (weights out of cache) — the per-layer cost is the slope
+    between them, so the engine's fixed per-step cost (scheduling,
     gathering rows) is not multiplied by the layer count — and the last layer alone, which also
     runs the final norm, the LM head and sampling. The per-layer curves are the slopes; the
-    fixed per-step cost (1-layer stage minus one layer) becomes ``step_overhead_ms`` and what
+    fixed per-step cost (the shorter stage minus its layers) becomes ``step_overhead_ms`` and what
     the last stage costs beyond that (final norm, LM head, sampling) ``head_ms``
     (:func:`with_step_costs`), so a pipeline stage pays its step cost once and only the last
     stage pays the head.
@@ -187,13 +235,13 @@ def measure_device(
     n = config.num_layers
     if n < 3:
         raise ConfigError(f"profiling needs a model with at least 3 layers, this one has {n}", source=str(model_dir))
-    layers = max(2, min(s.probe_layers, n - 2))
+    short, layers = probe_stage_layers(n, config.layer_weight_bytes(4), last_level_cache_bytes(), s.probe_layers)
     max_batch = max(s.decode_batches)
     sched = SchedulerConfig(max_batch_size=max_batch, token_budget=max(max(s.prefill_tokens), max_batch),
                             chunk_size=None)  # fmt: skip
     kv_tokens = max_batch * (s.context_tokens + s.repeats + 16) + max(s.prefill_tokens) * 2 + 1024
-    one = StageEngine(model_dir, 1, 2, kv_capacity_tokens=kv_tokens, scheduler=sched)
-    pre_one, dec_one = _step_curves(one, s, note, "layer 1")
+    one = StageEngine(model_dir, 1, 1 + short, kv_capacity_tokens=kv_tokens, scheduler=sched)
+    pre_one, dec_one = _step_curves(one, s, note, f"layers 1-{short}")
     del one
     middle = StageEngine(model_dir, 1, 1 + layers, kv_capacity_tokens=kv_tokens, scheduler=sched)
     pre_mid, dec_mid = _step_curves(middle, s, note, f"layers 1-{layers}")
@@ -202,8 +250,10 @@ def measure_device(
     last = StageEngine(model_dir, n - 1, n, kv_capacity_tokens=kv_tokens, scheduler=sched)
     pre_last, dec_last = _step_curves(last, s, note, "last layer + LM head")
     del last
-    pre_layer = _slopes(pre_one, pre_mid, layers)
-    dec_layer = _slopes(dec_one, dec_mid, layers)
+    pre_layer = _slopes(pre_one, pre_mid, short, layers)
+    dec_layer = _slopes(dec_one, dec_mid, short, layers)
+    pre_fixed = [max(0.0, a - short * b) for a, b in zip(pre_one, pre_layer, strict=True)]
+    dec_fixed = [max(0.0, a - short * b) for a, b in zip(dec_one, dec_layer, strict=True)]
     pre_head = [max(0.0, a - b) for a, b in zip(pre_last, pre_layer, strict=True)]
     dec_head = [max(0.0, a - b) for a, b in zip(dec_last, dec_layer, strict=True)]
     return with_step_costs({
@@ -218,8 +268,7 @@ def measure_device(
                                                 in zip(s.decode_batches, dec_layer, dec_head, strict=True)],
         "raw": {"prefill_layer_ms": pre_layer, "prefill_head_ms": pre_head,
                 "decode_layer_ms": dec_layer, "decode_head_ms": dec_head,
-                "prefill_fixed_ms": [max(0.0, a - b) for a, b in zip(pre_one, pre_layer, strict=True)],
-                "decode_fixed_ms": [max(0.0, a - b) for a, b in zip(dec_one, dec_layer, strict=True)]},
+                "prefill_fixed_ms": pre_fixed, "decode_fixed_ms": dec_fixed, "probe_layers": [short, layers]},
     })  # fmt: skip
 
 
@@ -230,10 +279,10 @@ def with_step_costs(measured: dict[str, Any]) -> dict[str, Any]:
     curves still carry ``head / num_layers`` on every point); from its ``raw`` part:
 
     * per-layer curves = the pure slopes ``prefill_layer_ms`` / ``decode_layer_ms``;
-    * ``step_overhead_ms`` by batch tokens = the 1-layer stage minus one layer: the decode
+    * ``step_overhead_ms`` by batch tokens = the shorter stage minus its layers: the decode
       points (``b`` requests = ``b`` batch tokens), then the prefill points above the largest
       decode batch;
-    * ``head_ms`` by batch size = the last stage minus the 1-layer stage, from the decode runs
+    * ``head_ms`` by batch size = the last stage minus one layer and the fixed cost, from the decode runs
       (``b`` sequences sampling one token each).
 
     Without ``raw`` (or already split) it is returned unchanged.
@@ -255,10 +304,12 @@ def with_step_costs(measured: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _slopes(one: list[float], many: list[float], layers: int) -> list[float]:
-    """Per-layer ms from 1-layer and ``layers``-layer step times (the fixed part cancels); at
-    least a quarter of the plain average, so noise cannot make a layer free."""
-    return [max((b - a) / (layers - 1), b / layers / 4) for a, b in zip(one, many, strict=True)]
+def _slopes(short: list[float], long: list[float], short_layers: int, long_layers: int) -> list[float]:
+    """Per-layer ms from the step times of two stages of ``short_layers`` and ``long_layers``
+    layers (the fixed part cancels); at least a quarter of the plain average, so noise cannot
+    make a layer free."""
+    span = long_layers - short_layers
+    return [max((b - a) / span, b / long_layers / 4) for a, b in zip(short, long, strict=True)]
 
 
 def _layer_tensors(engine: Any) -> list[Any]:

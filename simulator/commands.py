@@ -27,6 +27,11 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--watermark", type=float, default=0.85, help="KV high watermark for masking")
     p.add_argument("--max-inflight", type=int, help="offline: keep N requests in flight instead of the KV feeder (sensitivity runs)")
+    p.add_argument("--chunk-tokens", type=int,
+                   help="nodes prefill one chunk of at most N prompt tokens per iteration (Sarathi, as helix agents do); "
+                        "default: whole prompts up to the profile's limit (the paper's vLLM nodes)")
+    p.add_argument("--host-cores", type=int,
+                   help="nodes whose addresses name one host run at most N iterations at a time (co-located CPU agents)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
@@ -43,6 +48,9 @@ def run_simulate(args: argparse.Namespace) -> int:
 
     if args.duration <= 0 or args.warmup < 0:
         raise ConfigError("--duration must be positive and --warmup not negative", field="--duration")
+    for flag, value in (("--chunk-tokens", args.chunk_tokens), ("--host-cores", args.host_cores)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} must be at least 1, got {value}", field=flag)
     cluster = load_cluster(args.cluster)
     profiles = load_profiles_for(cluster)
     plan = load_plan(args.plan)
@@ -53,7 +61,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     mode = "online" if trace is not None else args.mode
     cfg = SimConfig(mode=mode, router=args.router, duration_s=args.duration, warmup_s=args.warmup, seed=args.seed,
                     lengths=args.lengths, rate_per_s=args.rate, load=args.load, cv=args.cv, trace=trace,
-                    watermark=args.watermark, max_inflight=args.max_inflight)
+                    watermark=args.watermark, max_inflight=args.max_inflight, host_cores=args.host_cores,
+                    prefill_chunk_tokens=args.chunk_tokens)
     total = args.warmup + args.duration
     if args.json:
         result = simulate(cluster, profiles, plan, cfg)

@@ -74,12 +74,13 @@ class SimConfig:
     kv_report_interval_s: float = 1.0
     iteration_overhead_ms: float = 0.0
     host_cores: int | None = None  # nodes on one host (address) run at most this many iterations at once
+    prefill_chunk_tokens: int | None = None  # Sarathi: one prefill chunk of at most this many tokens per iteration
     bucket_s: float = 10.0
 
 
 class _Req:
     __slots__ = ("id", "prompt", "output", "generated", "ctx", "stages", "stage", "prefill", "arrival",
-                 "first_token", "last_token", "kv", "seq", "t_enq")
+                 "first_token", "last_token", "kv", "seq", "t_enq", "pdone")
 
     def __init__(self, rid: int, prompt: int, output: int, arrival: float) -> None:
         self.id = rid
@@ -96,6 +97,7 @@ class _Req:
         self.kv: dict[str, float] = {}
         self.seq = 0
         self.t_enq = 0.0
+        self.pdone = 0  # prompt tokens prefilled on the current stage (chunked prefill)
 
 
 class _Node:
@@ -360,15 +362,22 @@ class Simulation:
             rest: list[_Req] = []
             used, cap = n.kv_used, n.cap
             ptoks = dcount = 0
+            chunk = self.cfg.prefill_chunk_tokens
             by_start: dict[int, list[int]] = {}
             for r in n.queue:
                 ls = r.stages[r.stage].layer_start
                 layers = n.end - ls
                 if r.prefill:
-                    if ptoks and ptoks + r.ctx > n.pmax:
+                    todo = r.ctx - r.pdone
+                    if chunk is not None:  # Sarathi: one chunk of the oldest prompt per iteration
+                        if ptoks:
+                            rest.append(r)
+                            continue
+                        todo = min(todo, chunk)
+                    elif ptoks and ptoks + todo > n.pmax:
                         rest.append(r)
                         continue
-                    need = r.ctx * layers
+                    need = r.ctx * layers if r.pdone == 0 else 0.0
                 else:
                     if dcount >= n.dmax:
                         rest.append(r)
@@ -383,8 +392,9 @@ class Simulation:
                 if acc is None:
                     acc = by_start[ls] = [0, 0]
                 if r.prefill:
-                    ptoks += r.ctx
-                    acc[0] += r.ctx
+                    r.pdone += todo
+                    ptoks += todo
+                    acc[0] += todo
                 else:
                     dcount += 1
                     acc[1] += 1
@@ -433,6 +443,7 @@ class Simulation:
         self.preemptions += 1
         victim.ctx = victim.prompt + victim.generated
         victim.prefill = True
+        victim.pdone = 0
         self.waiting.appendleft(victim)
         self._push(self.now, _NEW, None)  # retry admission once this event is done
 
@@ -453,7 +464,12 @@ class Simulation:
         batch, n.batch = n.batch, []
         groups: dict[str, list[_Req]] = {}
         swarm = self.swarm
+        unfinished = [r for r in batch if r.prefill and r.pdone < r.ctx]  # chunked prompts: stay here
+        if unfinished:
+            n.queue[:0] = unfinished
+            batch = [r for r in batch if not (r.prefill and r.pdone < r.ctx)]
         for r in batch:
+            r.pdone = 0
             if swarm is not None:
                 swarm.observe(n.id, self.now - r.t_enq)
             r.stage += 1

@@ -33,6 +33,14 @@ def test_top_k_and_top_p_restrict_the_support() -> None:
     assert {0, 3} & set(_draws(SamplingParams(temperature=5.0, seed=1), 2000))
 
 
+def test_temperature_draws_follow_the_softmax() -> None:
+    n = 20000
+    counts = torch.bincount(torch.tensor(_draws(SamplingParams(temperature=1.5, seed=7), n)), minlength=5).double()
+    expected = torch.softmax(LOGITS.double() / 1.5, dim=-1) * n
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 18.5, (counts.tolist(), expected.tolist())  # 4 degrees of freedom, p = 0.001
+
+
 def test_seed_makes_draws_reproducible() -> None:
     p = SamplingParams(temperature=1.0, seed=42)
     assert _draws(p) == _draws(p)

@@ -145,3 +145,17 @@ def test_cached_rerun_does_not_load_torch(demo: Path) -> None:
         "assert 'torch' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", script], check=True)
+
+
+def test_probe_stages_stream_their_weights_from_memory() -> None:
+    from node_agent.config import load_config
+    from node_agent.gguf_convert import cached_model_dir
+    from profiler.measure import probe_stage_layers
+
+    layer = load_config(cached_model_dir()).layer_weight_bytes(4)
+    assert layer == 14160384  # SmolLM2-135M: 576 hidden, 1536 MLP, 9 heads / 3 KV heads of 64, float32
+    short, long = probe_stage_layers(30, layer, 32 << 20)  # a 32 MiB L3
+    assert short * layer >= 2 * (32 << 20) and long >= 2 * short and long <= 28
+    assert probe_stage_layers(80, 1_700_000_000, 40 << 20) == (1, 4)  # a GPU's L2 holds no layer
+    assert probe_stage_layers(30, layer, 0, longer=1) == (1, 2)  # explicit (tests): the old 1-layer probe
+    assert probe_stage_layers(4, layer, 1 << 40) == (1, 2)  # a tiny model: whatever fits between first and last

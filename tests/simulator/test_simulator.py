@@ -166,3 +166,35 @@ def test_nodes_sharing_a_host_run_one_iteration_per_core() -> None:
     free, shared, one = run(None), run(3), run(1)
     assert shared == pytest.approx(free)  # a core per node: as if on their own devices
     assert one > 1.5 * free  # one core: the three stages take turns
+
+
+def test_chunked_prefill_runs_one_prompt_chunk_per_iteration() -> None:
+    from helix.plan import Plan
+    from helix.profile import GpuProfile, ModelProfile, ProfileSet, ThroughputProfile
+    from helix.spec import ClusterSpec
+    from simulator.workload import RequestSpec
+
+    model = ModelProfile(num_layers=2, hidden_size=8, layer_weight_bytes=1.0, kv_bytes_per_token_per_layer=1.0)
+    # prefill costs 1 ms per token per layer, plus 10 ms per iteration: batching prompts saves the fixed part
+    tp = ThroughputProfile(max_layers=2, prefill_ms_per_layer=[(0, 0), (1000, 1000.0)],
+                           decode_ms_per_layer=[(0, 0), (1, 0.5), (64, 0.5)], kv_capacity_tokens_by_layers=[1e7] * 2,
+                           step_overhead_ms=[(1, 10.0), (1000, 10.0)])  # fmt: skip
+    profiles = ProfileSet(models={"m": model}, gpus={"g": GpuProfile(vram_gb=1, throughput={"m": tp})})
+    cluster = ClusterSpec.model_validate({
+        "name": "t", "model": "m", "profiles": "p.yaml", "coordinator": {"id": "c"}, "nodes": [{"id": "n0", "gpu": "g"}],
+        "defaults": {"intra_region": {"bandwidth_gbps": 1000, "latency_ms": 0.0}}})
+    plan = Plan(cluster="t", model="m", method="given", placement={"n0": (0, 2)}, max_flow_tok_s=1.0)
+
+    def mean_ttft(chunk: int | None, prompts: list[int]) -> float:
+        trace = [RequestSpec(0.0, p, 1) for p in prompts]
+        cfg = SimConfig(mode="online", trace=trace, num_requests=len(trace), warmup_s=0.0, duration_s=1e6,
+                        prefill_chunk_tokens=chunk)  # fmt: skip
+        return simulate(cluster, profiles, plan, cfg).prompt_latency_s["mean"]
+
+    # the first prompt starts alone (20 tokens x 2 layers + 10 ms = 50 ms); whole prompts: the two
+    # queued behind it share one iteration (40 x 2 + 10 = 90 ms): first tokens at 50, 140, 140 ms
+    assert mean_ttft(None, [20, 20, 20]) == pytest.approx((0.05 + 0.14 + 0.14) / 3, abs=1e-4)
+    # Sarathi: one prompt per iteration, in arrival order: 50, 100, 150 ms
+    assert mean_ttft(256, [20, 20, 20]) == pytest.approx(0.1, abs=1e-4)
+    # a prompt longer than the chunk takes several iterations on the node before it moves on
+    assert mean_ttft(16, [40]) == pytest.approx(2 * (0.032 + 0.01) + 0.016 + 0.01, abs=1e-4)
