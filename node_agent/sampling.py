@@ -37,6 +37,9 @@ class SamplingParams:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
 
 
+NUCLEUS_CANDIDATES = 1024
+
+
 def make_generator(params: SamplingParams) -> torch.Generator:
     """A per-request generator: seeded when ``params.seed`` is set, else from OS entropy."""
     gen = torch.Generator()
@@ -56,15 +59,29 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
         kth = torch.topk(scores, min(params.top_k, scores.numel())).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, descending=True)
-        cumulative = torch.softmax(sorted_scores, dim=-1).cumsum(-1)
-        drop = cumulative - torch.softmax(sorted_scores, dim=-1) >= params.top_p  # keep the token crossing p
-        scores = scores.scatter(0, order, sorted_scores.masked_fill(drop, float("-inf")))
+        return _sample_nucleus(torch.softmax(scores, dim=-1), params.top_p, generator)
     # inverse CDF with one uniform draw: the same distribution as torch.multinomial, ~10x
     # cheaper on CPU (multinomial draws an exponential per vocabulary entry)
-    cdf = torch.softmax(scores, dim=-1).cumsum(0, dtype=torch.float64)
+    return _inverse_cdf(torch.softmax(scores, dim=-1), generator)
+
+
+def _inverse_cdf(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """Index drawn from the (unnormalized) ``probs`` with one uniform draw."""
+    cdf = probs.cumsum(0, dtype=torch.float64)
     u = torch.rand(1, generator=generator, dtype=torch.float64) * cdf[-1]
     return min(int(torch.searchsorted(cdf, u, right=True)), cdf.numel() - 1)
+
+
+def _sample_nucleus(probs: torch.Tensor, top_p: float, generator: torch.Generator) -> int:
+    """Top-p: draw among the most likely tokens whose mass reaches ``top_p`` (the token that
+    crosses it included). Sorting the whole vocabulary costs ~6 ms per request on CPU; the
+    nucleus almost always lies within the top ``NUCLEUS_CANDIDATES``, which is checked, with a
+    full sort when it does not."""
+    top, order = torch.topk(probs, min(NUCLEUS_CANDIDATES, probs.numel()))
+    if top.numel() < probs.numel() and float(top.sum()) < top_p:
+        top, order = torch.sort(probs, descending=True)
+    keep = int(((top.cumsum(0) - top) < top_p).sum())
+    return int(order[_inverse_cdf(top[: max(1, keep)], generator)])
 
 
 def finish_reason(token: int, num_generated: int, params: SamplingParams) -> str | None:

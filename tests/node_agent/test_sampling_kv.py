@@ -11,7 +11,13 @@ import torch
 from helix.errors import CapacityError, RequestError
 from node_agent.engine import StageEngine
 from node_agent.kv_cache import KVAccount, RequestKV
-from node_agent.sampling import SamplingParams, finish_reason, make_generator, sample_token
+from node_agent.sampling import (
+    NUCLEUS_CANDIDATES,
+    SamplingParams,
+    finish_reason,
+    make_generator,
+    sample_token,
+)
 
 LOGITS = torch.tensor([0.0, 3.0, 2.9, -1.0, 2.8])
 
@@ -39,6 +45,24 @@ def test_temperature_draws_follow_the_softmax() -> None:
     expected = torch.softmax(LOGITS.double() / 1.5, dim=-1) * n
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     assert chi2 < 18.5, (counts.tolist(), expected.tolist())  # 4 degrees of freedom, p = 0.001
+
+
+def test_top_p_nucleus_beyond_the_candidate_shortlist() -> None:
+    # a nearly flat, strictly decreasing distribution over 3000 tokens: the 0.6 nucleus holds
+    # more tokens than the 1024-candidate shortlist, so the full sort must take over
+    logits = -1e-4 * torch.arange(3000, dtype=torch.float32)
+    probs = torch.softmax(logits.double(), dim=-1)
+    nucleus = int(((probs.cumsum(0) - probs) < 0.6).sum())
+    assert nucleus > NUCLEUS_CANDIDATES
+    params = SamplingParams(temperature=1.0, top_p=0.6, seed=5)
+    gen = make_generator(params)
+    draws = [sample_token(logits, params, gen) for _ in range(3000)]
+    assert max(draws) < nucleus and max(draws) >= NUCLEUS_CANDIDATES
+    # a peaked one: the nucleus is inside the shortlist and the draws follow it
+    peaked = torch.zeros(3000)
+    peaked[[7, 11, 13]] = torch.tensor([16.0, 15.0, 14.0])
+    gen = make_generator(SamplingParams(seed=1))
+    assert set(sample_token(peaked, SamplingParams(temperature=1.0, top_p=0.9), gen) for _ in range(500)) <= {7, 11, 13}
 
 
 def test_seed_makes_draws_reproducible() -> None:
