@@ -41,26 +41,37 @@ def onednn_linear_available() -> bool:
 
 
 class Linear:
-    """``y = x @ weight.T`` (optionally ``+ residual``), pre-packed for oneDNN when possible."""
+    """``y = x @ weight.T`` (optionally ``+ residual``), pre-packed for oneDNN when possible.
 
-    __slots__ = ("weight", "packed")
+    A packed linear keeps only the packed weight (the plain one would double the stage's weight
+    memory); inputs are float32 CPU rows, as the engine makes them.
+    """
+
+    __slots__ = ("nbytes", "packed", "weight")
 
     def __init__(self, weight: torch.Tensor) -> None:
-        self.weight = weight
+        self.nbytes = weight.numel() * weight.element_size()
         self.packed: torch.Tensor | None = None
         if weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2 \
                 and onednn_linear_available():
             with torch.inference_mode():
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+        self.weight: torch.Tensor | None = None if self.packed is not None else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.device.type == "cpu" and x.dtype == torch.float32:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(_cpu_f32(x), self.packed, None, "none", [], "")
+        assert self.weight is not None
         return F.linear(x, self.weight)
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual + x @ weight.T`` (one fused oneDNN call on CPU)."""
-        if self.packed is not None and x.device.type == "cpu" and x.dtype == torch.float32 \
-                and residual.dtype == torch.float32 and residual.is_contiguous():
-            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, None, "add")
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise.binary(_cpu_f32(x), _cpu_f32(residual).contiguous(),
+                                                             self.packed, None, "add")  # fmt: skip
+        assert self.weight is not None
         return residual + F.linear(x, self.weight)
+
+
+def _cpu_f32(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.float32 and x.device.type == "cpu" else x.to("cpu", torch.float32)

@@ -245,7 +245,7 @@ def measure_device(
     del one
     middle = StageEngine(model_dir, 1, 1 + layers, kv_capacity_tokens=kv_tokens, scheduler=sched)
     pre_mid, dec_mid = _step_curves(middle, s, note, f"layers 1-{layers}")
-    weight_bytes = sum(p.numel() * p.element_size() for p in _layer_tensors(middle)) / layers
+    weight_bytes = config.layer_weight_bytes(4)
     del middle
     last = StageEngine(model_dir, n - 1, n, kv_capacity_tokens=kv_tokens, scheduler=sched)
     pre_last, dec_last = _step_curves(last, s, note, "last layer + LM head")
@@ -310,14 +310,6 @@ def _slopes(short: list[float], long: list[float], short_layers: int, long_layer
     make a layer free."""
     span = long_layers - short_layers
     return [max((b - a) / span, b / long_layers / 4) for a, b in zip(short, long, strict=True)]
-
-
-def _layer_tensors(engine: Any) -> list[Any]:
-    """Every weight tensor of the engine's decoder layers (not embedding / LM head)."""
-    import dataclasses
-
-    fields = [getattr(w, f.name) for w in engine.model.layers.values() for f in dataclasses.fields(w)]
-    return [getattr(t, "weight", t) for t in fields]  # a packed linear keeps its plain weight
 
 
 def memory_limits(
