@@ -1,0 +1,197 @@
+"""The wire protocol's messages and limits (the dataclasses :mod:`helix.wire` encodes and decodes).
+
+Pure data: no I/O, no msgpack. See :mod:`helix.wire` for the protocol and the life of a request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PROTOCOL_VERSION = 1
+DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
+NONCE_BYTES = 32
+DTYPE_BYTES: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4}
+MAX_TOKEN_ID = 2**31 - 1
+MAX_ID_CHARS = 256
+MAX_LIST = 1 << 20
+
+Buffer = bytes | bytearray | memoryview
+
+
+# -- messages --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StageRef:
+    """One hop of a pipeline: which node runs which layers ``[layer_start, layer_end)``, and where
+    its data plane listens (``address``)."""
+
+    node_id: str
+    layer_start: int
+    layer_end: int
+    address: str
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingSpec:
+    """Sampling parameters applied by a pipeline's last stage."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """Coordinator -> agent, first message on a control connection."""
+
+    sender: str
+    nonce: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Challenge:
+    """Agent -> coordinator: the agent's nonce, and its proof of the secret over both nonces."""
+
+    node_id: str
+    nonce: bytes
+    proof: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Auth:
+    """Coordinator -> agent: proof of the shared secret over the agent's nonce."""
+
+    proof: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    """Agent -> coordinator: the handshake succeeded; what this agent holds."""
+
+    node_id: str
+    layer_start: int
+    layer_end: int
+    kv_capacity_tokens: int
+    data_address: str
+
+
+@dataclass(frozen=True, slots=True)
+class Admit:
+    """Coordinator -> first stage: a new request with its whole pipeline."""
+
+    request_id: str
+    prompt: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingSpec
+    pipeline: tuple[StageRef, ...]
+    reply_to: str = ""  # the coordinator's data-plane address for TOKENS ("" = control socket)
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """Coordinator -> first stage: the token sampled at ``step`` (only what changed)."""
+
+    request_id: str
+    step: int
+    token_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    """Coordinator -> any stage: drop a request and free its KV."""
+
+    request_id: str
+    reason: str = "cancelled"
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """Agent -> coordinator, every ~250 ms: KV use (tokens) and queue lengths."""
+
+    node_id: str
+    seq: int
+    kv_used_tokens: int
+    kv_reserved_tokens: int
+    kv_capacity_tokens: int
+    waiting: int
+    running: int
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """Agent -> coordinator: a request was refused (``code``: capacity, protocol, busy, ...)."""
+
+    request_id: str
+    node_id: str
+    code: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Error:
+    """Either direction: a message was rejected or the peer is refused (not request-specific)."""
+
+    code: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class AdmitInfo:
+    """What a downstream stage learns about a request with its first ACTIVATIONS."""
+
+    hop: int
+    prompt_tokens: int
+    max_tokens: int
+    sampling: SamplingSpec
+    pipeline: tuple[StageRef, ...]
+    reply_to: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Activations:
+    """Stage -> next stage: hidden states of ``num_tokens`` tokens starting at ``position``."""
+
+    request_id: str
+    step: int
+    position: int
+    dtype: str
+    shape: tuple[int, ...]
+    data: Buffer = field(repr=False)
+    admit: AdmitInfo | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.shape[0]
+
+
+@dataclass(frozen=True, slots=True)
+class TokenOut:
+    """One sampled token of one request."""
+
+    request_id: str
+    step: int
+    token_id: int
+    finished: bool = False
+    finish_reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Tokens:
+    """Last stage -> coordinator: the tokens sampled in one engine step."""
+
+    node_id: str
+    tokens: tuple[TokenOut, ...]
+
+
+Message = (
+    Hello | Challenge | Auth | Welcome | Admit | Step | Cancel | Heartbeat | Refused | Error | Activations | Tokens
+)
+
+KINDS: dict[type, str] = {
+    Hello: "HELLO", Challenge: "CHALLENGE", Auth: "AUTH", Welcome: "WELCOME", Admit: "ADMIT", Step: "STEP",
+    Cancel: "CANCEL", Heartbeat: "HEARTBEAT", Refused: "REFUSED", Error: "ERROR",
+    Activations: "ACTIVATIONS", Tokens: "TOKENS",
+}  # fmt: skip
