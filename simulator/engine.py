@@ -1,4 +1,6 @@
-"""The discrete-event engine: nodes, links and the coordinator of one planned cluster.
+"""The discrete-event engine: nodes, links and the coordinator of one planned cluster
+(configuration and results in :mod:`simulator.results`, request and node state in
+:mod:`simulator.state`).
 
 Model (documented with its calibration in ``docs/simulator.md``):
 
@@ -23,6 +25,8 @@ Model (documented with its calibration in ``docs/simulator.md``):
   enforced against the node's capacity: a request that would not fit waits, and if nothing
   fits the latest-admitted waiting request is preempted (its KV freed everywhere, re-admitted
   later with its generated tokens re-prefilled), so KV never exceeds capacity.
+* **Chunked prefill** (``prefill_chunk_tokens``, off by default): one chunk of the oldest
+  prompt per iteration, as ``helix agent`` runs (Sarathi); off, whole prompts are batched.
 * **Shared hosts** (``host_cores``, off by default): nodes whose addresses name the same host
   run at most ``host_cores`` iterations at a time (the loopback demo: three agents, two
   cores); a node that could start waits for a core, first come first served.
@@ -37,7 +41,6 @@ import heapq
 import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -47,139 +50,14 @@ from helix.profile import ProfileSet
 from helix.spec import ClusterSpec
 from helix.units import gbps_to_bytes_per_s
 from router.policy import Router, RouteRequest
+from simulator.results import SimConfig, SimResult, percentiles
 from simulator.routing import make_router
+from simulator.state import SimNode, SimRequest, latency_table
 from simulator.workload import LengthSampler, RequestSpec, arrival_times
 
+__all__ = ["SimConfig", "SimResult", "Simulation", "simulate"]
+
 _NODE_DONE, _ARRIVE, _COORD, _NEW, _REPORT = 0, 1, 2, 3, 4
-
-
-@dataclass(slots=True)
-class SimConfig:
-    mode: str = "offline"  # offline | online
-    router: str = "iwrr"
-    duration_s: float = 600.0
-    warmup_s: float = 60.0
-    seed: int = 0
-    lengths: str = "azure-conv"
-    rate_per_s: float | None = None  # online: requests/s
-    load: float | None = None  # online: fraction of the plan's max flow (tokens/s)
-    cv: float = 1.0  # online arrivals: 1 Poisson, > 1 bursty Gamma
-    trace: list[RequestSpec] | None = None
-    watermark: float = 0.85
-    expected_output_tokens: float = 232.0
-    feed_hwm: float = 0.8
-    offline_initial: int = 20
-    max_inflight: int | None = None  # offline: None = the KV feeder (every router); N = keep N in flight
-    num_requests: int | None = None  # stop issuing after this many and drain (tests)
-    kv_report_interval_s: float = 1.0
-    iteration_overhead_ms: float = 0.0
-    host_cores: int | None = None  # nodes on one host (address) run at most this many iterations at once
-    prefill_chunk_tokens: int | None = None  # Sarathi: one prefill chunk of at most this many tokens per iteration
-    bucket_s: float = 10.0
-
-
-class _Req:
-    __slots__ = ("id", "prompt", "output", "generated", "ctx", "stages", "stage", "prefill", "arrival",
-                 "first_token", "last_token", "kv", "seq", "t_enq", "pdone")
-
-    def __init__(self, rid: int, prompt: int, output: int, arrival: float) -> None:
-        self.id = rid
-        self.prompt = prompt
-        self.output = output
-        self.generated = 0
-        self.ctx = prompt  # tokens to prefill (prompt + generated after a preemption)
-        self.stages: tuple = ()
-        self.stage = 0
-        self.prefill = True
-        self.arrival = arrival
-        self.first_token: float | None = None
-        self.last_token = 0.0
-        self.kv: dict[str, float] = {}
-        self.seq = 0
-        self.t_enq = 0.0
-        self.pdone = 0  # prompt tokens prefilled on the current stage (chunked prefill)
-
-
-class _Node:
-    __slots__ = ("id", "start", "end", "k", "cap", "pf", "dc", "pmax", "dmax", "queue", "busy", "kv_used",
-                 "kv_peak", "busy_s", "batch", "iters", "t_start", "step", "head")
-
-    def __init__(self, nid: str, start: int, end: int, cap: float, pf: list[float], dc: list[float],
-                 pmax: int, dmax: int, step: list[float] | None = None, head: list[float] | None = None) -> None:
-        self.id, self.start, self.end, self.k = nid, start, end, end - start
-        self.cap, self.pf, self.dc, self.pmax, self.dmax = cap, pf, dc, pmax, dmax
-        self.step = step  # ms per iteration by batch tokens (prompt tokens + decodes), every stage
-        self.head = head  # ms per iteration by sequences sampled; only on the stage with the last layer
-        self.queue: list[_Req] = []
-        self.busy = False
-        self.kv_used = 0.0
-        self.kv_peak = 0.0
-        self.busy_s = 0.0
-        self.batch: list[_Req] = []
-        self.iters = 0
-        self.t_start = 0.0
-
-
-def _table(curve: list[tuple[float, float]], n: int, *, proportional_low: bool = True) -> list[float]:
-    """ms for x = 0..n-1 from a curve (linear interpolation, linear extrapolation past the end;
-    below the first point proportional to x, or flat for a fixed per-step cost)."""
-    pts = sorted(curve)
-    xs = np.array([p[0] for p in pts], dtype=float)
-    ys = np.array([p[1] for p in pts], dtype=float)
-    grid = np.arange(n, dtype=float)
-    out = np.interp(grid, xs, ys)
-    if xs[0] > 0 and proportional_low:  # below the first point: proportional to x
-        low = grid < xs[0]
-        out[low] = ys[0] * grid[low] / xs[0]
-    if len(xs) >= 2 and xs[-1] < n - 1:
-        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-        high = grid > xs[-1]
-        out[high] = ys[-1] + slope * (grid[high] - xs[-1])
-    out[0] = 0.0
-    return out.tolist()
-
-
-@dataclass(slots=True)
-class SimResult:
-    config: SimConfig
-    sim_end_s: float
-    decode_tok_s: float
-    prompt_tok_s: float
-    prompt_latency_s: dict[str, float]
-    decode_latency_s: dict[str, float]
-    finished_requests: int
-    admitted_requests: int
-    preemptions: int
-    max_inflight: int | None  # None: KV-fed
-    node_utilization: dict[str, float]
-    kv_peak_fraction: dict[str, float]
-    kv_estimate_peak_fraction: dict[str, float]
-    throughput_over_time: list[tuple[float, float]]
-    events: int
-    extra: dict[str, float] = field(default_factory=dict)
-
-    def to_json(self) -> dict:
-        return {
-            "router": self.config.router,
-            "mode": self.config.mode,
-            "duration_s": self.config.duration_s,
-            "warmup_s": self.config.warmup_s,
-            "seed": self.config.seed,
-            "decode_tok_s": self.decode_tok_s,
-            "prompt_tok_s": self.prompt_tok_s,
-            "prompt_latency_s": self.prompt_latency_s,
-            "decode_latency_s": self.decode_latency_s,
-            "finished_requests": self.finished_requests,
-            "admitted_requests": self.admitted_requests,
-            "preemptions": self.preemptions,
-            "max_inflight": self.max_inflight,
-            "node_utilization": self.node_utilization,
-            "kv_peak_fraction": self.kv_peak_fraction,
-            "kv_estimate_peak_fraction": self.kv_estimate_peak_fraction,
-            "throughput_over_time": self.throughput_over_time,
-            "events": self.events,
-            **self.extra,
-        }
 
 
 def _host(address: str | None) -> str | None:
@@ -188,14 +66,6 @@ def _host(address: str | None) -> str | None:
         return None
     rest = address.split("://", 1)[-1]
     return rest.rsplit(":", 1)[0] if ":" in rest else rest
-
-
-def _percentiles(xs: list[float]) -> dict[str, float]:
-    if not xs:
-        return {"mean": math.nan, "p50": math.nan, "p90": math.nan, "p99": math.nan}
-    a = np.asarray(xs)
-    p50, p90, p99 = np.percentile(a, [50, 90, 99]).tolist()
-    return {"mean": float(a.mean()), "p50": p50, "p90": p90, "p99": p99}
 
 
 class Simulation:
@@ -214,7 +84,7 @@ class Simulation:
             plan, cluster, profiles, watermark=config.watermark, expected_output_tokens=config.expected_output_tokens
         )
         self.placement = dict(plan.placement)
-        self.nodes: dict[str, _Node] = {}
+        self.nodes: dict[str, SimNode] = {}
         tables: dict[tuple[str, int], tuple[list[float], list[float]]] = {}
         fixed: dict[str, tuple[list[float] | None, list[float] | None]] = {}
         for nid, (s, e) in plan.placement.items():
@@ -226,16 +96,16 @@ class Simulation:
             pmax = tp.prompt_max_tokens_by_layers[k - 1] if tp.prompt_max_tokens_by_layers else 4096
             dmax = tp.decode_max_tokens_by_layers[k - 1] if tp.decode_max_tokens_by_layers else 256
             if gpu not in {g for g, _ in tables}:
-                tables[(gpu, 0)] = (_table(tp.prefill_ms_per_layer, max(pmax, 2048) * 2 + 1),
-                                    _table(tp.decode_ms_per_layer, dmax * 2 + 1))
+                tables[(gpu, 0)] = (latency_table(tp.prefill_ms_per_layer, max(pmax, 2048) * 2 + 1),
+                                    latency_table(tp.decode_ms_per_layer, dmax * 2 + 1))
             pf, dc = tables[(gpu, 0)]
             if gpu not in fixed:  # the profile's optional per-step costs (absent: 0)
                 n_tab = max(pmax, 2048) * 2 + dmax * 2 + 1
-                fixed[gpu] = (_table(tp.step_overhead_ms, n_tab, proportional_low=False) if tp.step_overhead_ms else None,
-                              _table(tp.head_ms, n_tab, proportional_low=False) if tp.head_ms else None)
+                fixed[gpu] = (latency_table(tp.step_overhead_ms, n_tab, proportional_low=False) if tp.step_overhead_ms else None,
+                              latency_table(tp.head_ms, n_tab, proportional_low=False) if tp.head_ms else None)
             step, head = fixed[gpu]
             cap = base.kv.nodes[nid].capacity if nid in base.kv.nodes else math.inf
-            self.nodes[nid] = _Node(nid, s, e, cap, pf, dc, pmax, dmax, step,
+            self.nodes[nid] = SimNode(nid, s, e, cap, pf, dc, pmax, dmax, step,
                                     head if e == self.num_layers else None)
         initial = {n.id: n.k * n.dc[1] / 1000.0 for n in self.nodes.values()}
         self.router, self.swarm = make_router(
@@ -253,7 +123,7 @@ class Simulation:
         self.heap: list[tuple] = []
         self.seq = 0
         self.now = 0.0
-        self.waiting: deque[_Req] = deque()
+        self.waiting: deque[SimRequest] = deque()
         self.inflight = 0
         self.next_id = 0
         self.issued = 0
@@ -269,7 +139,7 @@ class Simulation:
         self.preemptions = 0
         # nodes sharing a host's cores (host_cores): host -> [iterations running, nodes waiting]
         self.host_of = {nid: _host(cluster.node(nid).address) or nid for nid in self.nodes}
-        self.hosts: dict[str, tuple[list[int], deque[_Node]]] = {h: ([0], deque()) for h in self.host_of.values()}
+        self.hosts: dict[str, tuple[list[int], deque[SimNode]]] = {h: ([0], deque()) for h in self.host_of.values()}
         self.inflight_samples: list[int] = []  # requests in flight at every KV report in the window
         self.buckets = [0] * (int(math.ceil(t1 / config.bucket_s)) + 2)
         self.cap_inflight = config.max_inflight  # None: the KV feeder admits
@@ -290,7 +160,7 @@ class Simulation:
         self.seq += 1
         heapq.heappush(self.heap, (t, self.seq, kind, a, b))
 
-    def _send(self, src: str, dst: str, nbytes: float, payload: list[_Req]) -> None:
+    def _send(self, src: str, dst: str, nbytes: float, payload: list[SimRequest]) -> None:
         link = self.links.get((src, dst))
         if link is None:
             raise ConfigError(f"no link {src} -> {dst} for a planned hop")
@@ -299,11 +169,11 @@ class Simulation:
         kind = _COORD if dst == self.coord else _ARRIVE
         self._push(link[0] + link[2], kind, dst, payload)
 
-    def _new_request(self, spec: RequestSpec | None = None) -> _Req:
+    def _new_request(self, spec: RequestSpec | None = None) -> SimRequest:
         if spec is None:
             p, o = self.lengths.sample()
             spec = RequestSpec(self.now, p, o)
-        r = _Req(self.next_id, spec.prompt_tokens, spec.output_tokens, spec.arrival_s)
+        r = SimRequest(self.next_id, spec.prompt_tokens, spec.output_tokens, spec.arrival_s)
         self.next_id += 1
         self.issued += 1
         return r
@@ -319,7 +189,7 @@ class Simulation:
         router = self.router
         offline = cfg.mode == "offline"
         kv_fed = self.kv_fed
-        groups: dict[str, list[_Req]] = {}
+        groups: dict[str, list[SimRequest]] = {}
         while True:
             if offline:
                 self._offline_backlog()
@@ -349,7 +219,7 @@ class Simulation:
 
     # -- nodes --------------------------------------------------------------------------------
 
-    def _try_start(self, n: _Node) -> None:
+    def _try_start(self, n: SimNode) -> None:
         cores = self.cfg.host_cores
         if cores is not None and n.queue and not n.busy:
             running, waiting = self.hosts[self.host_of[n.id]]
@@ -358,8 +228,8 @@ class Simulation:
                     waiting.append(n)
                 return
         while n.queue and not n.busy:
-            batch: list[_Req] = []
-            rest: list[_Req] = []
+            batch: list[SimRequest] = []
+            rest: list[SimRequest] = []
             used, cap = n.kv_used, n.cap
             ptoks = dcount = 0
             chunk = self.cfg.prefill_chunk_tokens
@@ -433,7 +303,7 @@ class Simulation:
             if cores is not None:
                 self.hosts[self.host_of[n.id]][0][0] += 1
 
-    def _preempt(self, n: _Node) -> None:
+    def _preempt(self, n: SimNode) -> None:
         """Nothing on ``n`` fits its KV: free the latest-admitted waiting request everywhere."""
         victim = max(n.queue, key=lambda r: r.seq)
         n.queue.remove(victim)
@@ -447,7 +317,7 @@ class Simulation:
         self.waiting.appendleft(victim)
         self._push(self.now, _NEW, None)  # retry admission once this event is done
 
-    def _free_kv(self, r: _Req) -> None:
+    def _free_kv(self, r: SimRequest) -> None:
         for nid, e in r.kv.items():
             node = self.nodes[nid]
             node.kv_used -= e
@@ -457,12 +327,12 @@ class Simulation:
                 self._push(self.now, _ARRIVE, nid, [])
         r.kv = {}
 
-    def _node_done(self, n: _Node) -> None:
+    def _node_done(self, n: SimNode) -> None:
         n.busy = False
         if self.cfg.host_cores is not None:
             self.hosts[self.host_of[n.id]][0][0] -= 1
         batch, n.batch = n.batch, []
-        groups: dict[str, list[_Req]] = {}
+        groups: dict[str, list[SimRequest]] = {}
         swarm = self.swarm
         unfinished = [r for r in batch if r.prefill and r.pdone < r.ctx]  # chunked prompts: stay here
         if unfinished:
@@ -493,11 +363,11 @@ class Simulation:
 
     # -- coordinator --------------------------------------------------------------------------
 
-    def _coord(self, reqs: list[_Req]) -> None:
+    def _coord(self, reqs: list[SimRequest]) -> None:
         now = self.now
         t0, t1 = self.window
         in_window = t0 <= now < t1
-        groups: dict[str, list[_Req]] = {}
+        groups: dict[str, list[SimRequest]] = {}
         triggers = 0
         for r in reqs:
             r.generated += 1
@@ -613,8 +483,8 @@ class Simulation:
             sim_end_s=self.now,
             decode_tok_s=self.decode_tokens / span,
             prompt_tok_s=self.prompt_tokens / span,
-            prompt_latency_s=_percentiles(self.prompt_lat),
-            decode_latency_s=_percentiles(self.decode_lat),
+            prompt_latency_s=percentiles(self.prompt_lat),
+            decode_latency_s=percentiles(self.decode_lat),
             finished_requests=self.finished,
             admitted_requests=self.admit_seq,
             preemptions=self.preemptions,

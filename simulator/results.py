@@ -1,0 +1,87 @@
+"""What a simulation is asked (:class:`SimConfig`) and what it answers (:class:`SimResult`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from simulator.workload import RequestSpec
+
+
+@dataclass(slots=True)
+class SimConfig:
+    mode: str = "offline"  # offline | online
+    router: str = "iwrr"
+    duration_s: float = 600.0
+    warmup_s: float = 60.0
+    seed: int = 0
+    lengths: str = "azure-conv"
+    rate_per_s: float | None = None  # online: requests/s
+    load: float | None = None  # online: fraction of the plan's max flow (tokens/s)
+    cv: float = 1.0  # online arrivals: 1 Poisson, > 1 bursty Gamma
+    trace: list[RequestSpec] | None = None
+    watermark: float = 0.85
+    expected_output_tokens: float = 232.0
+    feed_hwm: float = 0.8
+    offline_initial: int = 20
+    max_inflight: int | None = None  # offline: None = the KV feeder (every router); N = keep N in flight
+    num_requests: int | None = None  # stop issuing after this many and drain (tests)
+    kv_report_interval_s: float = 1.0
+    iteration_overhead_ms: float = 0.0
+    host_cores: int | None = None  # nodes on one host (address) run at most this many iterations at once
+    prefill_chunk_tokens: int | None = None  # Sarathi: one prefill chunk of at most this many tokens per iteration
+    bucket_s: float = 10.0
+
+
+@dataclass(slots=True)
+class SimResult:
+    config: SimConfig
+    sim_end_s: float
+    decode_tok_s: float
+    prompt_tok_s: float
+    prompt_latency_s: dict[str, float]
+    decode_latency_s: dict[str, float]
+    finished_requests: int
+    admitted_requests: int
+    preemptions: int
+    max_inflight: int | None  # None: KV-fed
+    node_utilization: dict[str, float]
+    kv_peak_fraction: dict[str, float]
+    kv_estimate_peak_fraction: dict[str, float]
+    throughput_over_time: list[tuple[float, float]]
+    events: int
+    extra: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {
+            "router": self.config.router,
+            "mode": self.config.mode,
+            "duration_s": self.config.duration_s,
+            "warmup_s": self.config.warmup_s,
+            "seed": self.config.seed,
+            "decode_tok_s": self.decode_tok_s,
+            "prompt_tok_s": self.prompt_tok_s,
+            "prompt_latency_s": self.prompt_latency_s,
+            "decode_latency_s": self.decode_latency_s,
+            "finished_requests": self.finished_requests,
+            "admitted_requests": self.admitted_requests,
+            "preemptions": self.preemptions,
+            "max_inflight": self.max_inflight,
+            "node_utilization": self.node_utilization,
+            "kv_peak_fraction": self.kv_peak_fraction,
+            "kv_estimate_peak_fraction": self.kv_estimate_peak_fraction,
+            "throughput_over_time": self.throughput_over_time,
+            "events": self.events,
+            **self.extra,
+        }
+
+
+def percentiles(xs: list[float]) -> dict[str, float]:
+    """mean, p50, p90, p99 of ``xs`` (NaN when empty)."""
+    if not xs:
+        return {"mean": math.nan, "p50": math.nan, "p90": math.nan, "p99": math.nan}
+    a = np.asarray(xs)
+    p50, p90, p99 = np.percentile(a, [50, 90, 99]).tolist()
+    return {"mean": float(a.mean()), "p50": p50, "p90": p90, "p99": p99}

@@ -1,0 +1,70 @@
+"""The simulation's mutable state: requests and nodes, and the per-node latency tables."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class SimRequest:
+    """One request as the simulation tracks it."""
+
+    __slots__ = ("id", "prompt", "output", "generated", "ctx", "stages", "stage", "prefill", "arrival",
+                 "first_token", "last_token", "kv", "seq", "t_enq", "pdone")
+
+    def __init__(self, rid: int, prompt: int, output: int, arrival: float) -> None:
+        self.id = rid
+        self.prompt = prompt
+        self.output = output
+        self.generated = 0
+        self.ctx = prompt  # tokens to prefill (prompt + generated after a preemption)
+        self.stages: tuple = ()
+        self.stage = 0
+        self.prefill = True
+        self.arrival = arrival
+        self.first_token: float | None = None
+        self.last_token = 0.0
+        self.kv: dict[str, float] = {}
+        self.seq = 0
+        self.t_enq = 0.0
+        self.pdone = 0  # prompt tokens prefilled on the current stage (chunked prefill)
+
+
+class SimNode:
+    """One placed node: its layers, latency tables, KV, queue and the iteration it runs."""
+
+    __slots__ = ("id", "start", "end", "k", "cap", "pf", "dc", "pmax", "dmax", "queue", "busy", "kv_used",
+                 "kv_peak", "busy_s", "batch", "iters", "t_start", "step", "head")
+
+    def __init__(self, nid: str, start: int, end: int, cap: float, pf: list[float], dc: list[float],
+                 pmax: int, dmax: int, step: list[float] | None = None, head: list[float] | None = None) -> None:
+        self.id, self.start, self.end, self.k = nid, start, end, end - start
+        self.cap, self.pf, self.dc, self.pmax, self.dmax = cap, pf, dc, pmax, dmax
+        self.step = step  # ms per iteration by batch tokens (prompt tokens + decodes), every stage
+        self.head = head  # ms per iteration by sequences sampled; only on the stage with the last layer
+        self.queue: list[SimRequest] = []
+        self.busy = False
+        self.kv_used = 0.0
+        self.kv_peak = 0.0
+        self.busy_s = 0.0
+        self.batch: list[SimRequest] = []
+        self.iters = 0
+        self.t_start = 0.0
+
+
+def latency_table(curve: list[tuple[float, float]], n: int, *, proportional_low: bool = True) -> list[float]:
+    """ms for x = 0..n-1 from a curve (linear interpolation, linear extrapolation past the end;
+    below the first point proportional to x, or flat for a fixed per-step cost)."""
+    pts = sorted(curve)
+    xs = np.array([p[0] for p in pts], dtype=float)
+    ys = np.array([p[1] for p in pts], dtype=float)
+    grid = np.arange(n, dtype=float)
+    out = np.interp(grid, xs, ys)
+    if xs[0] > 0 and proportional_low:  # below the first point: proportional to x
+        low = grid < xs[0]
+        out[low] = ys[0] * grid[low] / xs[0]
+    if len(xs) >= 2 and xs[-1] < n - 1:
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        high = grid > xs[-1]
+        out[high] = ys[-1] + slope * (grid[high] - xs[-1])
+    out[0] = 0.0
+    return out.tolist()
