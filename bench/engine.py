@@ -25,7 +25,8 @@ When the engine is idle the clock jumps to the next arrival instead of sleeping.
 
 Slots for the vLLM backend and the multi-agent pipeline comparisons: :data:`SECTIONS`.
 
-Run: ``.venv/bin/python bench/engine.py`` (27 min wall on 2 shared cores) or ``--quick`` (fewer requests and loads).
+Run: ``.venv/bin/python bench/engine.py`` (section 1 alone: 12 min on a quiet 2-core box, 21 min with
+``--orca-requests 28``) or ``--quick`` (fewer requests and loads).
 """
 
 from __future__ import annotations
