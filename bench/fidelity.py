@@ -52,6 +52,7 @@ from simulator.workload import RequestSpec  # noqa: E402
 DEMO = ROOT / "clusters" / "demo"
 SENTENCE = "The quick brown fox jumps over the lazy dog while the cluster serves many requests. "
 TOLERANCE = 0.15
+COORDINATOR_ROW = "coordinator + load generator"
 
 
 def prepare(workdir: Path, console: Console, force: bool) -> tuple[Path, float]:
@@ -104,7 +105,14 @@ def prompts(n: int) -> list[str]:
     return [SENTENCE * (1 + (i * 3) % 4) + "Write a long, detailed story about this fox." for i in range(n)]
 
 
-async def _fire(base_url: str, model: str, texts: list[str], max_tokens: int) -> tuple[list[dict[str, Any]], float]:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds process ``pid`` used so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _fire(base_url: str, model: str, texts: list[str], max_tokens: int,
+                on_start: Any = None) -> tuple[list[dict[str, Any]], float]:  # fmt: skip
     import httpx
 
     async with httpx.AsyncClient(timeout=600) as client:
@@ -117,13 +125,17 @@ async def _fire(base_url: str, model: str, texts: list[str], max_tokens: int) ->
             return r.json()["usage"] | {"done_s": time.perf_counter()}
 
         await one(0, "Warm up.")  # first-call allocations in every agent on the path
+        if on_start is not None:
+            on_start()
         t0 = time.perf_counter()
         results = await asyncio.gather(*(one(i, t) for i, t in enumerate(texts)))
     return [r | {"done_s": r["done_s"] - t0} for r in results], t0
 
 
 def run_real(cluster_path: Path, cluster: Any, profiles: Any, plan: Any, texts: list[str], max_tokens: int,
-             workdir: Path, console: Console) -> list[dict[str, Any]]:  # fmt: skip
+             workdir: Path, console: Console) -> tuple[list[dict[str, Any]], dict[str, float]]:  # fmt: skip
+    """The requests' usage and done times, and the CPU seconds each agent process and this one
+    (coordinator + HTTP load generator) used while they ran."""
     secret = secrets.token_hex(16)
     agents = AgentProcesses(cluster_path.resolve(), cluster_path.parent / "plan.json", workdir, secret=secret)
     try:
@@ -133,7 +145,13 @@ def run_real(cluster_path: Path, cluster: Any, profiles: Any, plan: Any, texts: 
         coordinator = build_coordinator(cluster, plan, profiles, ServeOptions())
         server: Any = make_server(create_server_app(coordinator, addresses, secret=secret.encode()), "127.0.0.1", 0)
 
-        async def main() -> list[dict[str, Any]]:
+        pids = {node: a.proc.pid for node, a in agents.agents.items()}
+        before: dict[str, float] = {}
+
+        def snapshot() -> dict[str, float]:
+            return {**{n: cpu_seconds(pid) for n, pid in pids.items()}, COORDINATOR_ROW: time.process_time()}
+
+        async def main() -> tuple[list[dict[str, Any]], dict[str, float]]:
             serving = asyncio.create_task(server.serve())
             while not server.started:
                 if serving.done():
@@ -143,11 +161,13 @@ def run_real(cluster_path: Path, cluster: Any, profiles: Any, plan: Any, texts: 
                 await asyncio.sleep(0.05)
             port = server.servers[0].sockets[0].getsockname()[1]
             try:
-                results, _ = await _fire(f"http://127.0.0.1:{port}/v1", coordinator.model_names[0], texts, max_tokens)
+                results, _ = await _fire(f"http://127.0.0.1:{port}/v1", coordinator.model_names[0], texts, max_tokens,
+                                         on_start=lambda: before.update(snapshot()))  # fmt: skip
+                after = snapshot()
             finally:
                 server.should_exit = True
                 await serving
-            return results
+            return results, {k: after[k] - before[k] for k in after}
 
         return asyncio.run(main())
     finally:
@@ -168,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     cluster_path, profile_s = prepare(workdir, console, args.force)
     cluster, profiles, plan = plan_cluster(cluster_path, args.method, console, args.placement)
     texts = prompts(args.requests)
-    real = run_real(cluster_path, cluster, profiles, plan, texts, args.max_tokens, workdir, console)
+    real, cpu_used = run_real(cluster_path, cluster, profiles, plan, texts, args.max_tokens, workdir, console)
     makespan = max(r["done_s"] for r in real)
     decode_tokens = sum(r["completion_tokens"] - 1 for r in real)
     measured = decode_tokens / makespan
@@ -197,6 +217,20 @@ def main(argv: list[str] | None = None) -> int:
                   f"{statistics.mean(r['prompt_tokens'] for r in real):.0f} / "
                   f"{statistics.mean(r['completion_tokens'] for r in real):.0f}", "same trace", "", "same trace", "")  # fmt: skip
     console.print(table)
+    work = Table(title="where the CPU went during the run: real process CPU vs simulated busy time (as served)")
+    for col in ("process", "layers", "real CPU s", "simulated busy s", "real / simulated"):
+        work.add_column(col, justify="right")
+    for node, used in cpu_used.items():
+        busy = served.node_utilization.get(node, 0.0) * served.sim_end_s if node in plan.placement else None
+        layers = f"[{plan.placement[node][0]}, {plan.placement[node][1]})" if node in plan.placement else "-"
+        work.add_row(node, layers, f"{used:.2f}", "-" if busy is None else f"{busy:.2f}",
+                     "-" if not busy else f"{used / busy:.2f}")
+    total_busy = sum(served.node_utilization.get(n, 0.0) for n in plan.placement) * served.sim_end_s
+    work.add_row("all", "", f"{sum(cpu_used.values()):.2f}", f"{total_busy:.2f}",
+                 f"{sum(cpu_used.values()) / total_busy:.2f}" if total_busy else "-")
+    work.caption = (f"{cores} cores x makespan = {cores * makespan:.2f} core-s real, "
+                    f"{cores * served.sim_end_s:.2f} simulated")
+    console.print(work)
     error = abs(served.decode_tok_s / measured - 1)
     verdict = "[green]within[/]" if error <= TOLERANCE else "[red]outside[/]"
     console.print(f"profiling took {profile_s:.1f} s; simulated decode throughput as served here ({cores} shared "
