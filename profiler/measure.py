@@ -40,7 +40,7 @@ DEFAULT_PREFILL_TOKENS = (16, 64, 128, 256)  # the agent's prefill chunk is 256
 DEFAULT_DECODE_BATCHES = (1, 2, 4, 8, 16, 32)
 DEFAULT_CONTEXT_TOKENS = 64
 DEFAULT_MIN_KV_TOKENS_PER_LAYER = 65536
-MEASURE_VERSION = 5  # bump when what measure_device returns changes (invalidates caches)
+MEASURE_VERSION = 6  # bump when what measure_device returns changes (invalidates caches)
 
 Progress = Callable[[str], None]
 
@@ -53,7 +53,7 @@ class MeasureSettings:
     prefill_tokens: tuple[int, ...] = DEFAULT_PREFILL_TOKENS
     decode_batches: tuple[int, ...] = DEFAULT_DECODE_BATCHES
     context_tokens: int = DEFAULT_CONTEXT_TOKENS
-    repeats: int = 5
+    repeats: int = 9
     min_kv_tokens_per_layer: int = DEFAULT_MIN_KV_TOKENS_PER_LAYER
 
     def key(self) -> dict[str, Any]:
@@ -148,57 +148,70 @@ def _median_ms(samples: list[float]) -> float:
     return round(statistics.median(samples) * 1000, 4)
 
 
-def _step_curves(engine: Any, settings: MeasureSettings, note: Progress, label: str) -> tuple[list[float], list[float]]:
-    """Median step ms of ``engine`` for every prefill size and decode batch of ``settings``."""
+def _step_curves(engines: dict[str, Any], settings: MeasureSettings,
+                 note: Progress) -> dict[str, tuple[list[float], list[float]]]:  # fmt: skip
+    """Median step ms of every engine for every prefill size and decode batch of ``settings``.
+
+    The engines take turns step by step (each sample of one engine sits between samples of the
+    others), so a change in the machine's load during the measurement — another process, a
+    co-located node being measured at the same time — lands on all of them alike instead of
+    on whichever engine happened to run then: the per-layer slope between two stages and the
+    head (a difference of stages) stay clean.
+    """
     import torch
 
     from node_agent.sampling import SamplingParams
 
     s = settings
-    hidden = engine.config.hidden_size
     sampling = SamplingParams(max_tokens=s.repeats + 8)
     counter = iter(range(1 << 30))
 
-    def add(tokens: int) -> str:
+    def add(engine: Any, tokens: int) -> str:
         rid = f"probe-{next(counter)}"
         engine.add_request(rid, sampling, prompt_len=tokens)
-        engine.push_hidden(rid, torch.randn(tokens, hidden))
+        engine.push_hidden(rid, torch.randn(tokens, engine.config.hidden_size))
         return rid
 
-    clock = step_clock(str(getattr(engine, "device", "cpu")))
-
-    def timed_step() -> float:
+    def timed_step(engine: Any) -> float:
+        clock = step_clock(str(getattr(engine, "device", "cpu")))
         t0 = clock()
         engine.step()
         return clock() - t0
 
-    warm = add(32)  # warm-up: first-call allocations
-    engine.step()
-    engine.cancel(warm)
-    prefill: list[float] = []
+    for engine in engines.values():  # warm-up: first-call allocations
+        warm = add(engine, 32)
+        engine.step()
+        engine.cancel(warm)
+    prefill: dict[str, list[float]] = {label: [] for label in engines}
+    decode: dict[str, list[float]] = {label: [] for label in engines}
     for t in s.prefill_tokens:
-        note(f"{label}: prefill {t} tokens")
-        samples = []
+        note(f"prefill {t} tokens")
+        samples: dict[str, list[float]] = {label: [] for label in engines}
         for _ in range(s.repeats):
-            rid = add(t)
-            samples.append(timed_step())
-            engine.cancel(rid)
-        prefill.append(_median_ms(samples))
-    decode: list[float] = []
+            for label, engine in engines.items():
+                rid = add(engine, t)
+                samples[label].append(timed_step(engine))
+                engine.cancel(rid)
+        for label in engines:
+            prefill[label].append(_median_ms(samples[label]))
     for b in s.decode_batches:
-        note(f"{label}: decode batch {b}")
-        rids = [add(s.context_tokens) for _ in range(b)]
-        while any(engine.scheduler.running.get(r) is None or engine.scheduler.running[r].in_prefill for r in rids):
-            engine.step()
-        samples = []
+        note(f"decode batch {b}")
+        rids = {label: [add(engine, s.context_tokens) for _ in range(b)] for label, engine in engines.items()}
+        for label, engine in engines.items():
+            running = engine.scheduler.running
+            while any(running.get(r) is None or running[r].in_prefill for r in rids[label]):
+                engine.step()
+        samples = {label: [] for label in engines}
         for _ in range(s.repeats + 1):
-            for rid in rids:
-                engine.push_hidden(rid, torch.randn(1, hidden))
-            samples.append(timed_step())
-        for rid in rids:
-            engine.cancel(rid)
-        decode.append(_median_ms(samples[1:]))
-    return prefill, decode
+            for label, engine in engines.items():
+                for rid in rids[label]:
+                    engine.push_hidden(rid, torch.randn(1, engine.config.hidden_size))
+                samples[label].append(timed_step(engine))
+        for label, engine in engines.items():
+            for rid in rids[label]:
+                engine.cancel(rid)
+            decode[label].append(_median_ms(samples[label][1:]))
+    return {label: (prefill[label], decode[label]) for label in engines}
 
 
 def measure_device(
@@ -206,8 +219,13 @@ def measure_device(
     settings: MeasureSettings | None = None,
     *,
     progress: Progress | None = None,
+    loaded: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """Per-layer prefill/decode curves of ``model_dir`` on this machine's engine (CPU, float32).
+
+    ``loaded`` is called once the probe stages are built, before any step is timed (the
+    concurrent profiler waits there until every co-located node is ready, so the measurements
+    overlap as the nodes' steps do when they serve).
 
     Three engines are timed: two runs of middle layers from layer 1, of the lengths
     :func:`probe_stage_layers` picks (weights out of cache) — the per-layer cost is the slope
@@ -240,16 +258,18 @@ def measure_device(
     sched = SchedulerConfig(max_batch_size=max_batch, token_budget=max(max(s.prefill_tokens), max_batch),
                             chunk_size=None)  # fmt: skip
     kv_tokens = max_batch * (s.context_tokens + s.repeats + 16) + max(s.prefill_tokens) * 2 + 1024
-    one = StageEngine(model_dir, 1, 1 + short, kv_capacity_tokens=kv_tokens, scheduler=sched)
-    pre_one, dec_one = _step_curves(one, s, note, f"layers 1-{short}")
-    del one
-    middle = StageEngine(model_dir, 1, 1 + layers, kv_capacity_tokens=kv_tokens, scheduler=sched)
-    pre_mid, dec_mid = _step_curves(middle, s, note, f"layers 1-{layers}")
+    engines = {
+        "short": StageEngine(model_dir, 1, 1 + short, kv_capacity_tokens=kv_tokens, scheduler=sched),
+        "long": StageEngine(model_dir, 1, 1 + layers, kv_capacity_tokens=kv_tokens, scheduler=sched),
+        "last": StageEngine(model_dir, n - 1, n, kv_capacity_tokens=kv_tokens, scheduler=sched),
+    }
+    note(f"stages: layers 1-{short}, layers 1-{layers}, last layer + LM head, measured in turns")
+    if loaded is not None:
+        loaded()
+    curves = _step_curves(engines, s, note)
+    del engines
+    (pre_one, dec_one), (pre_mid, dec_mid), (pre_last, dec_last) = curves["short"], curves["long"], curves["last"]
     weight_bytes = config.layer_weight_bytes(4)
-    del middle
-    last = StageEngine(model_dir, n - 1, n, kv_capacity_tokens=kv_tokens, scheduler=sched)
-    pre_last, dec_last = _step_curves(last, s, note, "last layer + LM head")
-    del last
     pre_layer = _slopes(pre_one, pre_mid, short, layers)
     dec_layer = _slopes(dec_one, dec_mid, short, layers)
     pre_fixed = [max(0.0, a - short * b) for a, b in zip(pre_one, pre_layer, strict=True)]

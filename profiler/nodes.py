@@ -12,6 +12,7 @@ point (median) by :func:`combine`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import selectors
@@ -27,6 +28,8 @@ from profiler.measure import MeasureSettings, measure_device, with_step_costs
 
 PROGRESS = "PROGRESS "
 RESULT = "RESULT "
+LOADED = "LOADED"  # a measuring process built its stages; it starts timing on a "go" line on stdin
+GO = "go"
 
 
 def measure_nodes(
@@ -45,16 +48,32 @@ def measure_nodes(
     blob = json.dumps(asdict(settings))
     procs = {
         node: subprocess.Popen(
-            [sys.executable, "-m", "profiler.nodes", "--model-dir", model_dir, "--settings", blob],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            [sys.executable, "-m", "profiler.nodes", "--model-dir", model_dir, "--settings", blob,
+             *(["--wait-for-go"] if len(nodes) > 1 else [])],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
         )  # fmt: skip
         for node in nodes
     }
     results: dict[str, dict[str, Any]] = {}
-    sel = selectors.DefaultSelector()
+    loaded: set[str] = set()
+    pending: dict[str, bytes] = dict.fromkeys(procs, b"")  # raw reads: a buffered readline would
+    sel = selectors.DefaultSelector()  # hide a second line from select() and stall the barrier
     for node, proc in procs.items():
         assert proc.stdout is not None
-        sel.register(proc.stdout, selectors.EVENT_READ, node)
+        sel.register(proc.stdout.fileno(), selectors.EVENT_READ, node)
+
+    def handle(node: str, line: str) -> None:
+        if line.startswith(PROGRESS):
+            say(node, line[len(PROGRESS):].strip())
+        elif line.strip() == LOADED:
+            loaded.add(node)
+            if len(loaded) == len(procs):  # everyone is ready: start timing together
+                say(node, "all co-located nodes loaded: measuring together")
+                for p in procs.values():
+                    _send_go(p)
+        elif line.startswith(RESULT):
+            results[node] = json.loads(line[len(RESULT):])
+
     try:
         open_streams = len(procs)
         while open_streams:
@@ -63,20 +82,29 @@ def measure_nodes(
                 raise HelixError(f"profiling processes gave no sign of life for {timeout_s:.0f} s")
             for key, _ in events:
                 node = key.data
-                line = key.fileobj.readline()  # type: ignore[union-attr]
-                if not line:
-                    sel.unregister(key.fileobj)
+                chunk = os.read(key.fd, 1 << 16)
+                if not chunk:
+                    sel.unregister(key.fd)
                     open_streams -= 1
-                elif line.startswith(PROGRESS):
-                    say(node, line[len(PROGRESS):].strip())
-                elif line.startswith(RESULT):
-                    results[node] = json.loads(line[len(RESULT):])
+                    if pending[node]:
+                        handle(node, pending[node].decode(errors="replace"))
+                    if node not in loaded:  # it died before loading: do not keep the others waiting
+                        loaded.update(procs)
+                        for p in procs.values():
+                            _send_go(p)
+                    continue
+                *lines, pending[node] = (pending[node] + chunk).split(b"\n")
+                for line in lines:
+                    handle(node, line.decode(errors="replace"))
     finally:
         sel.close()
         for proc in procs.values():
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
+            if proc.stdin is not None:
+                with contextlib.suppress(OSError):
+                    proc.stdin.close()
     for node, proc in procs.items():
         if node not in results:
             err = (proc.stderr.read() if proc.stderr else "").strip().splitlines()[-5:]
@@ -84,6 +112,15 @@ def measure_nodes(
         if proc.stderr:
             proc.stderr.close()
     return results
+
+
+def _send_go(proc: subprocess.Popen[str]) -> None:
+    try:
+        assert proc.stdin is not None
+        proc.stdin.write(GO + "\n")
+        proc.stdin.flush()
+    except (BrokenPipeError, OSError):
+        pass  # it died: its missing result is reported below
 
 
 def non_decreasing(values: list[float]) -> list[float]:
@@ -122,11 +159,19 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Measure this machine's engine (started by `helix profile`).")
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--settings", default="{}", help="MeasureSettings as JSON")
+    ap.add_argument("--wait-for-go", action="store_true",
+                    help=f"print {LOADED} once the stages are built, then wait for a '{GO}' line on stdin")
     args = ap.parse_args(argv)
+
+    def loaded() -> None:
+        if args.wait_for_go:
+            print(LOADED, flush=True)
+            sys.stdin.readline()  # "go", or EOF if the parent is gone: measure anyway
     raw = json.loads(args.settings)
     settings = MeasureSettings(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})  # type: ignore[arg-type]
     try:
-        result = measure_device(args.model_dir, settings, progress=lambda m: print(PROGRESS + m, flush=True))
+        result = measure_device(args.model_dir, settings, progress=lambda m: print(PROGRESS + m, flush=True),
+                                loaded=loaded)
     except HelixError as exc:
         print(exc.message, file=sys.stderr)
         return 2

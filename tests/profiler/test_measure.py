@@ -159,3 +159,11 @@ def test_probe_stages_stream_their_weights_from_memory() -> None:
     assert probe_stage_layers(80, 1_700_000_000, 40 << 20) == (1, 4)  # a GPU's L2 holds no layer
     assert probe_stage_layers(30, layer, 0, longer=1) == (1, 2)  # explicit (tests): the old 1-layer probe
     assert probe_stage_layers(4, layer, 1 << 40) == (1, 2)  # a tiny model: whatever fits between first and last
+
+
+def test_concurrent_profile_measures_every_colocated_node_together(demo: Path) -> None:
+    # the three measuring processes wait for each other (LOADED / go) before timing anything
+    result = profile_cluster(load_cluster(demo), settings=QUICK, concurrent=True, measure_links=False)
+    assert sorted(result.per_node) == ["cpu-0", "cpu-1", "cpu-2"]
+    tp = load_profiles_for(load_cluster(demo)).throughput("cpu", "smollm2-135m")
+    assert tp.decode_ms_per_layer and all(ms > 0 for b, ms in tp.decode_ms_per_layer if b > 0)
