@@ -38,6 +38,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -113,11 +114,25 @@ def _highs_solver_class() -> type:
     return _HiGHSWarm
 
 
+def _cbc(**options: Any) -> Any:
+    """CBC through pulp: a ``cbc`` on the PATH (``COIN_CMD``, e.g. ``pip install pulp[cbc]``), else
+    the binary bundled with pulp < 4 (``PULP_CBC_CMD``, deprecated there and gone in PuLP 4.0)."""
+    coin = pulp.COIN_CMD(**options)
+    if coin.available():
+        return coin
+    bundled = getattr(pulp, "PULP_CBC_CMD", None)
+    if bundled is None:
+        return coin
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # handled: COIN_CMD is preferred above
+        return bundled(**options)
+
+
 def solver_available(name: str) -> bool:
     if name == "highs":
         return pulp.HiGHS().available()
     if name == "cbc":
-        return pulp.PULP_CBC_CMD(msg=False).available()
+        return bool(_cbc(msg=False).available())
     if name == "gurobi":
         try:
             return bool(pulp.GUROBI(msg=False).available())
@@ -193,7 +208,7 @@ def solve_pulp(
             callbacksToActivate=kinds,
         )
     elif solver == "cbc":
-        s = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, threads=threads, gapRel=gap_rel, warmStart=bool(initial))
+        s = _cbc(msg=False, timeLimit=time_limit_s, threads=threads, gapRel=gap_rel, warmStart=bool(initial))
     else:
         s = pulp.GUROBI(msg=False, timeLimit=time_limit_s, threads=threads, gapRel=gap_rel, warmStart=bool(initial))
     prob.solve(s)
