@@ -3,10 +3,13 @@
 :func:`measure_nodes` starts one measuring process per node (``python -m profiler.nodes``, one
 torch thread, like ``helix agent``); each reports progress lines and one JSON result on stdout.
 Nodes that share a machine (the loopback demo: three agents on two cores) also share its cores
-while they serve, so they can be measured *concurrently* (``helix profile --concurrent``); a
-saturating benchmark overstates that contention (serving agents wait on the network between
-steps), so the default measures one node at a time. Nodes of one GPU type are combined point by
-point (median) by :func:`combine`.
+while they serve, so they can be measured *concurrently* (``helix profile --concurrent``): the
+processes build their probe stages, print ``LOADED`` and wait for a ``go`` line on stdin, sent
+to all once all are loaded, so their timed steps overlap. Steps are timed in thread CPU time
+(:func:`profiler.measure.step_clock`), so the time slicing among them is not counted — that is
+the simulator's ``host_cores`` — while the contention for caches and memory is. The default
+measures one node at a time. Nodes of one GPU type are combined point by point (median) by
+:func:`combine`.
 """
 
 from __future__ import annotations
