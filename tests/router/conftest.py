@@ -27,6 +27,38 @@ API_KEY = "test-key"
 MODEL = "smollm2-135m"
 
 
+def free_loopback_ports(n: int) -> list[int]:
+    """``n`` ports free on 127.0.0.1 right now (bound and released together)."""
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+@pytest.fixture(scope="session")
+def demo_cluster(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``clusters/demo`` copied with every address on a free loopback port, so these tests do not
+    collide with a running ``make demo`` or a second test run on the same machine."""
+    import shutil
+
+    import yaml
+
+    root = tmp_path_factory.mktemp("demo-cluster") / "demo"
+    shutil.copytree(DEMO_CLUSTER.parent, root, ignore=shutil.ignore_patterns(".helix-profile-cache"))
+    raw = yaml.safe_load((root / "cluster.yaml").read_text())
+    vertices = [raw["coordinator"], *raw["nodes"]]
+    for vertex, port in zip(vertices, free_loopback_ports(len(vertices)), strict=True):
+        vertex["address"] = f"tcp://127.0.0.1:{port}"
+    (root / "cluster.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    return root / "cluster.yaml"
+
+
 @dataclass
 class ServingCluster:
     base_url: str
@@ -66,7 +98,7 @@ def make_test_plan(path: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def serving_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServingCluster]:
+def serving_cluster(tmp_path_factory: pytest.TempPathFactory, demo_cluster: Path) -> Iterator[ServingCluster]:
     from helix.plan import load_plan
     from helix.profile import load_profiles_for
     from helix.spec import load_cluster
@@ -76,13 +108,13 @@ def serving_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servin
     workdir = tmp_path_factory.mktemp("serving")
     plan_path = make_test_plan(workdir / "plan.json")
     secret = "test-secret"
-    agents = AgentProcesses(DEMO_CLUSTER, plan_path, workdir, secret=secret)
+    agents = AgentProcesses(demo_cluster, plan_path, workdir, secret=secret)
     server: Any = None
     thread: threading.Thread | None = None
     try:
         agents.start(TEST_PLACEMENT)
         addresses = agents.wait_ready(timeout_s=240)
-        cluster = load_cluster(DEMO_CLUSTER)
+        cluster = load_cluster(demo_cluster)
         coordinator = build_coordinator(cluster, load_plan(plan_path), load_profiles_for(cluster),
                                         ServeOptions(max_tokens_cap=4096))
         app = create_server_app(coordinator, addresses, secret=secret.encode(), api_keys=[API_KEY])

@@ -29,9 +29,10 @@ def _pids_with(text: str) -> set[int]:
     return found
 
 
-def test_demo_serve_then_sigterm_leaves_nothing() -> None:
+def test_demo_serve_then_sigterm_leaves_nothing(demo_cluster: Path) -> None:
     env = {**os.environ, "COLUMNS": "200", "TERM": "dumb"}
-    demo = subprocess.Popen([sys.executable, "-m", "helix.cli", "demo", "--serve", "--port", "0", "--max-tokens", "4"],
+    demo = subprocess.Popen([sys.executable, "-m", "helix.cli", "demo", "--serve", "--port", "0", "--max-tokens", "4",
+                             "--cluster", str(demo_cluster)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     output: list[str] = []
     workdir = base_url = None
