@@ -3,16 +3,21 @@
 ``python bench/fidelity.py`` (a few minutes on 2 shared cores):
 
 1. copies ``clusters/demo`` to a scratch directory and profiles it with ``helix profile``'s
-   machinery (the real engine, ZeroMQ link probes); the measured links replace the declared ones;
+   machinery (the real engine, ``--concurrent``: the three co-located nodes are measured
+   together, as they serve; ZeroMQ link probes); the measured links replace the declared ones;
 2. plans it (``planner.api.make_plan``, method ``helix``, falling back to ``paper-milp``);
 3. runs the workload for real: one ``helix agent`` subprocess per placed node, the coordinator
    with its OpenAI-compatible HTTP endpoint in this process, ``--requests`` chat completions sent
    at once through HTTP; records every request's prompt and completion token counts;
 4. simulates the very same requests (same lengths, all arriving at t=0, IWRR router) on the
-   plan with the measured profiles, once with every node its own device (the default) and
-   once with the agents sharing this host's cores (``SimConfig.host_cores``);
+   plan with the measured profiles, once with the simulator's defaults (every node its own
+   device, whole prompts per iteration) and once *as served here*: the agents share this
+   host's cores (``SimConfig.host_cores``) and prefill one chunk per step as ``helix agent``
+   does (``SimConfig.prefill_chunk_tokens``);
 5. prints decode throughput (tokens after each request's first / makespan, the simulator's
-   definition) measured vs simulated, and whether they agree within 15%.
+   definition) measured vs simulated, whether the as-served simulation agrees within 15%, and
+   where the CPU went: each agent process's real CPU seconds beside its node's simulated busy
+   time (and the coordinator + load generator's CPU, which the simulator does not model).
 
 Nothing here is a test: the numbers depend on the machine and on whatever else runs on it.
 """
