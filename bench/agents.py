@@ -44,6 +44,7 @@ from node_agent.gguf_convert import cached_model_dir  # noqa: E402
 from node_agent.sampling import SamplingParams  # noqa: E402
 from node_agent.scheduler import SchedulerConfig  # noqa: E402
 from router.agents_io import AgentsIO, TokenEvent  # noqa: E402
+from router.launch import process_cpu_seconds  # noqa: E402
 from router.pipeline import Stage  # noqa: E402
 
 console = Console()
@@ -56,12 +57,6 @@ SECRET = "bench-secret"
 def workload(n: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(49152) for _ in range(rng.randint(32, 256))] for _ in range(n)]
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds a process used so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def one_process(model_dir: Path, prompts: list[list[int]]) -> float:
@@ -128,9 +123,9 @@ def section(model_dir: Path, quick: bool, progress: Progress | None = None) -> T
     with tempfile.TemporaryDirectory() as tmp:
         procs, controls = start_agents(model_dir, Path(tmp))
         try:
-            cpu0 = sum(cpu_s(p.pid) for p in procs.values())
+            cpu0 = sum(process_cpu_seconds(p.pid) for p in procs.values())
             agents_s = three_agents(controls, prompts)
-            agents_cpu = sum(cpu_s(p.pid) for p in procs.values()) - cpu0
+            agents_cpu = sum(process_cpu_seconds(p.pid) for p in procs.values()) - cpu0
         finally:
             for proc in procs.values():
                 proc.send_signal(signal.SIGTERM)

@@ -49,7 +49,7 @@ from helix.spec import load_cluster  # noqa: E402
 from node_agent.scheduler import SchedulerConfig  # noqa: E402
 from planner.api import evaluate_plan, make_plan  # noqa: E402
 from profiler.cluster_profile import profile_cluster  # noqa: E402
-from router.launch import AgentProcesses  # noqa: E402
+from router.launch import AgentProcesses, process_cpu_seconds  # noqa: E402
 from router.serving import ServeOptions, build_coordinator, create_server_app, make_server  # noqa: E402
 from simulator.engine import SimConfig, simulate  # noqa: E402
 from simulator.workload import RequestSpec  # noqa: E402
@@ -110,12 +110,6 @@ def prompts(n: int) -> list[str]:
     return [SENTENCE * (1 + (i * 3) % 4) + "Write a long, detailed story about this fox." for i in range(n)]
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds process ``pid`` used so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def _fire(base_url: str, model: str, texts: list[str], max_tokens: int,
                 on_start: Any = None) -> tuple[list[dict[str, Any]], float]:  # fmt: skip
     import httpx
@@ -154,7 +148,7 @@ def run_real(cluster_path: Path, cluster: Any, profiles: Any, plan: Any, texts: 
         before: dict[str, float] = {}
 
         def snapshot() -> dict[str, float]:
-            return {**{n: cpu_seconds(pid) for n, pid in pids.items()}, COORDINATOR_ROW: time.process_time()}
+            return {**{n: process_cpu_seconds(pid) for n, pid in pids.items()}, COORDINATOR_ROW: time.process_time()}
 
         async def main() -> tuple[list[dict[str, Any]], dict[str, float]]:
             serving = asyncio.create_task(server.serve())

@@ -141,11 +141,6 @@ def start_serve(cluster: Path, plan: Path, agents: dict[str, str], secret: str) 
     raise RuntimeError("helix serve did not become ready")
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 @dataclass
 class LoadResult:
     requests: int = 0
@@ -231,6 +226,7 @@ def part_a(concurrency: int, total: int, max_tokens: int) -> None:
     from helix.profile import load_profiles_for
     from helix.spec import load_cluster
     from planner.api import finish_plan
+    from router.launch import process_cpu_seconds
     from router.tokenizer import ChatTokenizer, ensure_tokenizer_dir
 
     cluster = load_cluster(DEMO_CLUSTER)
@@ -247,9 +243,9 @@ def part_a(concurrency: int, total: int, max_tokens: int) -> None:
     serve, base = start_serve(DEMO_CLUSTER, plan_path, addresses, secret)
     try:
         asyncio.run(run_load(base, 8, 16, max_tokens, chat=False))  # warm-up
-        cpu0 = cpu_seconds(serve.pid)
+        cpu0 = process_cpu_seconds(serve.pid)
         res = asyncio.run(run_load(base, concurrency, total, max_tokens, chat=False))
-        cpu = cpu_seconds(serve.pid) - cpu0
+        cpu = process_cpu_seconds(serve.pid) - cpu0
     finally:
         serve.terminate()
         serve.wait(timeout=20)

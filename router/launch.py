@@ -27,6 +27,13 @@ from helix.errors import HelixError
 PR_SET_PDEATHSIG = 1
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds process ``pid`` used so far (Linux ``/proc``): what an agent or a
+    coordinator subprocess costs, for the benches that compare it with a simulation or a baseline."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
