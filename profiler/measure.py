@@ -172,8 +172,10 @@ def _step_curves(engines: dict[str, Any], settings: MeasureSettings,
         engine.push_hidden(rid, torch.randn(tokens, engine.config.hidden_size))
         return rid
 
-    def timed_step(engine: Any) -> float:
-        clock = step_clock(str(getattr(engine, "device", "cpu")))
+    clocks = {label: step_clock(str(getattr(engine, "device", "cpu"))) for label, engine in engines.items()}
+
+    def timed_step(label: str) -> float:
+        clock, engine = clocks[label], engines[label]
         t0 = clock()
         engine.step()
         return clock() - t0
@@ -190,7 +192,7 @@ def _step_curves(engines: dict[str, Any], settings: MeasureSettings,
         for _ in range(s.repeats):
             for label, engine in engines.items():
                 rid = add(engine, t)
-                samples[label].append(timed_step(engine))
+                samples[label].append(timed_step(label))
                 engine.cancel(rid)
         for label in engines:
             prefill[label].append(_median_ms(samples[label]))
@@ -206,7 +208,7 @@ def _step_curves(engines: dict[str, Any], settings: MeasureSettings,
             for label, engine in engines.items():
                 for rid in rids[label]:
                     engine.push_hidden(rid, torch.randn(1, engine.config.hidden_size))
-                samples[label].append(timed_step(engine))
+                samples[label].append(timed_step(label))
         for label, engine in engines.items():
             for rid in rids[label]:
                 engine.cancel(rid)
