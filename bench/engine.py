@@ -32,6 +32,7 @@ Run: ``.venv/bin/python bench/engine.py`` (section 1 alone: 12 min on a quiet 2-
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import statistics
 import sys
@@ -234,8 +235,8 @@ def equal_latency_ratios(it_curve: list[tuple[float, float]],
 ORCA_REQUESTS = 14  # per run (per load and mode); --orca-requests: more is steadier and slower
 
 
-def iteration_vs_request(model_dir: Path, quick: bool, progress: Progress) -> Table:
-    n = 6 if quick else ORCA_REQUESTS
+def iteration_vs_request(model_dir: Path, quick: bool, progress: Progress, requests: int = ORCA_REQUESTS) -> Table:
+    n = 6 if quick else requests
     loads = [0.15, 0.35, 0.55] if quick else [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7]
     calib = calibrate(model_dir)
     mu = calib.service_rate
@@ -342,13 +343,13 @@ def main() -> None:
     parser.add_argument("--orca-requests", type=int, default=ORCA_REQUESTS,
                         help=f"requests per run in section 1 (default {ORCA_REQUESTS}; time grows in proportion)")
     args = parser.parse_args()
-    globals()["ORCA_REQUESTS"] = args.orca_requests
+    sections = {**SECTIONS, "iteration-vs-request": functools.partial(iteration_vs_request, requests=args.orca_requests)}
     torch.set_num_threads(1)
     model_dir = cached_model_dir()
     t0 = time.perf_counter()
     tables = []
     with Progress(console=console, transient=True) as progress:
-        for name, section in SECTIONS.items():
+        for name, section in sections.items():
             if not args.only or name in args.only:
                 tables.append(section(model_dir, args.quick, progress))
     for table in tables:
