@@ -74,6 +74,10 @@ class Simulation:
     def __init__(self, cluster: ClusterSpec, profiles: ProfileSet, plan: Plan, config: SimConfig) -> None:
         if config.mode not in ("offline", "online"):
             raise ConfigError(f"unknown mode {config.mode!r} (offline or online)", field="--mode")
+        for name in ("host_cores", "prefill_chunk_tokens"):
+            value = getattr(config, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be at least 1 (or None: off), got {value}", field=name)
         self.cfg = config
         model = profiles.models[cluster.model]
         self.num_layers = model.num_layers

@@ -109,6 +109,22 @@ def test_cli_json() -> None:
         capture_output=True, text=True, cwd=ROOT,
     )
     assert bad.returncode != 0 and "file not found" in bad.stderr
+    for flag in ("--chunk-tokens", "--host-cores"):
+        bad = subprocess.run(
+            [sys.executable, "-m", "helix.cli", "simulate", str(PAPER / "cluster.yaml"),
+             str(PAPER / "reference" / "milp.json"), flag, "0"],
+            capture_output=True, text=True, cwd=ROOT,
+        )  # fmt: skip
+        assert bad.returncode != 0 and flag in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+
+
+def test_config_rejects_zero_chunk_or_cores(paper) -> None:
+    from helix.errors import ConfigError
+
+    cluster, profiles, plans = paper
+    for field in ("host_cores", "prefill_chunk_tokens"):
+        with pytest.raises(ConfigError, match=field):
+            simulate(cluster, profiles, plans["milp"], SimConfig(duration_s=1.0, warmup_s=0.0, **{field: 0}))
 
 
 def test_per_step_costs_paid_once_per_stage_and_head_on_the_last(tmp_path) -> None:
