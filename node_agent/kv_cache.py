@@ -31,14 +31,19 @@ class RequestKV:
 
     def write(self, layer: int, first_position: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``k``/``v`` (``[kv_heads, n, d]``) at positions ``first_position..+n``; return all keys/values so far."""
-        end = first_position + k.shape[1]
-        if end > self.capacity_tokens:
-            raise CapacityError(f"request KV overflow: position {end} > reserved {self.capacity_tokens} tokens")
+        end = self.claim(first_position, k.shape[1])
         i = layer - self.layer_start
         self.k[i, :, first_position:end] = k
         self.v[i, :, first_position:end] = v
-        self.length = max(self.length, end)
         return self.k[i, :, :end], self.v[i, :, :end]
+
+    def claim(self, first_position: int, n: int) -> int:
+        """Positions ``first_position..+n`` are about to be written (here or by the native kernel); their end."""
+        end = first_position + n
+        if end > self.capacity_tokens:
+            raise CapacityError(f"request KV overflow: position {end} > reserved {self.capacity_tokens} tokens")
+        self.length = max(self.length, end)
+        return end
 
 
 @dataclass(slots=True)

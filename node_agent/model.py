@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from node_agent import native
 from node_agent.config import ModelConfig, RopeConfig
 from node_agent.kernels import Linear
 from node_agent.kv_cache import RequestKV
@@ -40,8 +42,27 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     return inv_freq
 
 
+def _native_for(*tensors: torch.Tensor) -> Any | None:
+    """``torch.ops.helix`` if the native kernels exist and take these (float32 CPU) tensors, else ``None``."""
+    if all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors):
+        return native.ops()
+    return None
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)  # one fused kernel
+    kernels = _native_for(x, weight) if x.dim() == 2 and x.stride(-1) == 1 else None
+    if kernels is not None:
+        return kernels.rms_norm(x, weight, eps)
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of the fused ``[gate | up]`` rows."""
+    kernels = _native_for(gate_up) if gate_up.dim() == 2 and gate_up.stride(-1) == 1 else None
+    if kernels is not None:
+        return kernels.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,6 +124,8 @@ class StageModel:
         self.final_norm = tensors[FINAL_NORM] if self.is_last else None
         self.lm_head = Linear(tensors[EMBED] if config.tie_word_embeddings else tensors[LM_HEAD]) if self.is_last else None
         self.inv_freq = rope_inv_freq(config.rope, config.head_dim)
+        if self.layers:
+            _native_for(self.layers[start].input_norm)  # build / load the kernels at start-up, not in a step
 
     @property
     def holds_embedding(self) -> bool:
@@ -147,14 +170,51 @@ class StageModel:
         qkv = w.qkv(rms_norm(x, w.input_norm, cfg.rms_norm_eps))
         qk = apply_rope(qkv[:, :(h + n_kv) * d].view(-1, h + n_kv, d), cos, sin)  # q and k in one go
         v = qkv[:, (h + n_kv) * d:].view(-1, n_kv, d)
-        if len(segments) == 1:
-            qs, ks, vs = (qk[:, :h],), (qk[:, h:],), (v,)
+        decodes = self._native_decodes(segments, x)
+        if decodes:
+            attn = self._attend_decodes(layer, segments, decodes, qk, v)
+        elif len(segments) == 1:
+            attn = self._attend(layer, segments[0], qk[:, :h], qk[:, h:], v)
         else:
             qs, ks, vs = qk[:, :h].split(sizes), qk[:, h:].split(sizes), v.split(sizes)
-        outs = [self._attend(layer, s, q, k, v) for s, q, k, v in zip(segments, qs, ks, vs, strict=True)]
-        x = w.o_proj.add(outs[0] if len(outs) == 1 else torch.cat(outs), x)
-        gate, up = w.gate_up(rms_norm(x, w.post_norm, cfg.rms_norm_eps)).chunk(2, dim=-1)
-        return w.down.add(F.silu(gate).mul_(up), x)
+            attn = torch.cat([self._attend(layer, s, q, k, v) for s, q, k, v in zip(segments, qs, ks, vs, strict=True)])
+        x = w.o_proj.add(attn, x)
+        return w.down.add(silu_mul(w.gate_up(rms_norm(x, w.post_norm, cfg.rms_norm_eps))), x)
+
+    def _native_decodes(self, segments: list[Segment], x: torch.Tensor) -> list[int]:
+        """Indices of the one-token segments the native kernel takes (none if it is unavailable)."""
+        if _native_for(x) is None:
+            return []
+        return [i for i, s in enumerate(segments) if s.num_tokens == 1 and s.kv.k.dtype == torch.float32]
+
+    def _attend_decodes(self, layer: int, segments: list[Segment], decodes: list[int],
+                        qk: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention of the step: its one-token decodes in one native call, other segments per request.
+
+        ``segments`` cover the step's rows in order, so when every segment is a decode its rows are
+        ``0..T-1`` and ``q``/``k``/``v`` go to the kernel as views, without a gather.
+        """
+        h, d = self.config.num_heads, self.config.head_dim
+        dec = [segments[i] for i in decodes]
+        for s in dec:
+            s.kv.claim(s.first_position, 1)
+        positions = torch.tensor([s.first_position for s in dec])
+        cache_layers = torch.tensor([layer - s.kv.layer_start for s in dec])
+        kernels = _native_for(qk)
+        assert kernels is not None
+        op = kernels.decode_attention
+        if len(dec) == len(segments):
+            return op(qk[:, :h], qk[:, h:], v, [s.kv.k for s in dec], [s.kv.v for s in dec],
+                      positions, cache_layers, d ** -0.5)
+        rows = torch.tensor([s.rows.start for s in dec])
+        out = torch.empty(qk.shape[0], h * d, dtype=qk.dtype)
+        out.index_copy_(0, rows, op(qk[rows, :h], qk[rows, h:], v[rows], [s.kv.k for s in dec],
+                                    [s.kv.v for s in dec], positions, cache_layers, d ** -0.5))
+        native_rows = set(decodes)
+        for i, s in enumerate(segments):
+            if i not in native_rows:
+                out[s.rows] = self._attend(layer, s, qk[s.rows, :h], qk[s.rows, h:], v[s.rows])
+        return out
 
     def _attend(self, layer: int, seg: Segment, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Attention of one request's new tokens (``q`` ``[n, heads, d]``) against its cached + new keys.

@@ -81,3 +81,33 @@ def make_tiny_llama(root: Path, name: str, num_layers: int = 4) -> tuple[Path, A
 @pytest.fixture(scope="session", params=sorted(TINY_VARIANTS))
 def tiny_llama(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny"), request.param)
+
+
+def require_native() -> Any:
+    """The native kernels (``torch.ops.helix``); they must build here (skip only when disabled on purpose)."""
+    import os
+
+    from node_agent import native
+
+    if os.environ.get("HELIX_NATIVE") == "0":
+        pytest.skip("native kernel disabled by HELIX_NATIVE=0")
+    kernels = native.ops()
+    assert kernels is not None, f"native kernels did not build: {native.unavailable_reason()}"
+    return kernels
+
+
+@pytest.fixture
+def native_ops() -> Any:
+    return require_native()
+
+
+@pytest.fixture(params=["native", "sdpa"])
+def attention_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test through the native kernels, then through the PyTorch path (per-request SDPA, F.rms_norm)."""
+    from node_agent import native
+
+    if request.param == "native":
+        require_native()
+    else:
+        monkeypatch.setattr(native, "ops", lambda: None)
+    return str(request.param)

@@ -24,7 +24,8 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("split", SPLITS, ids=["1-stage", "3-stages", "2-stages"])
-def test_split_pipeline_logits_match_transformers(tiny_llama: tuple[Path, Any], split: list[tuple[int, int]]) -> None:
+def test_split_pipeline_logits_match_transformers(tiny_llama: tuple[Path, Any], split: list[tuple[int, int]],
+                                                 attention_path: str) -> None:
     model_dir, hf = tiny_llama
     pipe = LocalPipeline([StageEngine(model_dir, a, b, scheduler=CHUNKED, kv_capacity_tokens=256) for a, b in split])
     prompts = _prompts(hf.config.vocab_size)
@@ -51,7 +52,8 @@ def _hf_hidden(hf: Any, ids: list[int]) -> tuple[torch.Tensor, ...]:
 
 
 @pytest.mark.parametrize("chunk", [None, 3])
-def test_partial_sub_ranges_inside_a_stage(tiny_llama: tuple[Path, Any], chunk: int | None) -> None:
+def test_partial_sub_ranges_inside_a_stage(tiny_llama: tuple[Path, Any], chunk: int | None,
+                                           attention_path: str) -> None:
     """One stage [0, 4) serves requests running [1, 3), [0, 2), [2, 4) and [0, 4) in the same steps."""
     model_dir, hf = tiny_llama
     sched = SchedulerConfig(max_batch_size=4, token_budget=64, chunk_size=chunk)
