@@ -19,7 +19,11 @@ When the engine is idle the clock jumps to the next arrival instead of sleeping.
    μ). The figure is throughput at equal median normalized latency (latency / output tokens):
    for each iteration-level load (rate r, median latency L), the rate r' at which the baseline's
    curve reaches L, linearly interpolated between its two measured rates around L; ratio r / r'.
-   The headline is the ratio at the highest iteration-level load that the baseline's curve spans.
+   Each scheduler's capacity is measured too (the same requests all at t = 0: completed req/s).
+   The headline is the ratio at the highest iteration-level load that the baseline's curve spans
+   and that is below iteration-level's capacity: past its capacity a queue has no steady state
+   (its latency grows with the run's length), so there is no latency level to compare at. The
+   ratios of loads over capacity are still printed, marked.
 2. **Chunked prefill on vs off (Sarathi).** Decodes are running while long prompts arrive; the
    figure is p99 time-between-tokens of the decodes, and the throughput cost (tokens / busy s).
 
@@ -222,6 +226,12 @@ BASELINES = {  # how the request-level run is scored: label -> results returned 
 }
 
 
+def capacity_req_s(model_dir: Path, request_level: bool, n: int, on_done: Callable[[], None]) -> float:
+    """Completed req/s with the run's ``n`` requests all arriving at once (the scheduler's capacity)."""
+    sched = replace(ORCA_SCHED, request_level=request_level)
+    return run_trace(make_engine(model_dir, sched), orca_workload(n, 1e6), on_done).throughput_req_s()
+
+
 def equal_latency_ratios(it_curve: list[tuple[float, float]],
                          base_curve: list[tuple[float, float]]) -> list[tuple[float, float, float | None]]:
     """(iteration rate, its median latency, iteration rate / baseline rate at that latency or None)."""
@@ -240,7 +250,9 @@ def iteration_vs_request(model_dir: Path, quick: bool, progress: Progress, reque
     loads = [0.15, 0.35, 0.55] if quick else [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7]
     calib = calibrate(model_dir)
     mu = calib.service_rate
-    task = progress.add_task("Orca workload", total=len(ORCA_RUNS) * n * len(loads))
+    task = progress.add_task("Orca workload", total=len(ORCA_RUNS) * n * (len(loads) + 1))
+    capacity = {run: capacity_req_s(model_dir, request_level, n, lambda: progress.advance(task))
+                for run, request_level in ORCA_RUNS.items()}
     curves: dict[str, list[tuple[float, float]]] = {}
     prefill_share: dict[str, list[float]] = {}
     table = Table(title=f"1. Iteration-level vs request-level batching (Orca workload, {n} requests per run, "
@@ -266,11 +278,16 @@ def iteration_vs_request(model_dir: Path, quick: bool, progress: Progress, reque
                               f"{100 * share:.0f}%", f"{trace.mean_batch():.1f}")
     lines = ["throughput at equal median normalized latency, iteration / baseline (target ≥ 2x), "
              "per iteration-level load (— where the baseline's curve does not reach that latency):"]
+    lines.append(f"capacity (all {n} requests at t = 0): iteration {capacity['iteration']:.3f} req/s, "
+                 f"request-level {capacity['request-level']:.3f} req/s "
+                 f"({capacity['iteration'] / capacity['request-level']:.2f}x); * = offered load over "
+                 "iteration-level's capacity (no steady state: not a headline)")
     for base in BASELINES:
         ratios = equal_latency_ratios(curves["iteration"], curves[base])
-        spanned = [r for r in ratios if r[2] is not None]
-        per_load = "  ".join(f"{load:.2f}: {'—' if x is None else f'{x:.2f}x'}"
-                             for load, (_, _, x) in zip(loads, ratios, strict=True))
+        over = [rate >= capacity["iteration"] for rate, _, _ in ratios]
+        spanned = [r for r, o in zip(ratios, over, strict=True) if r[2] is not None and not o]
+        per_load = "  ".join(f"{load:.2f}{'*' if o else ''}: {'—' if x is None else f'{x:.2f}x'}"
+                             for load, (_, _, x), o in zip(loads, ratios, over, strict=True))
         head = (f"{spanned[-1][2]:.2f}x at {spanned[-1][0]:.3f} req/s, {spanned[-1][1]:.3f} s/token"
                 if spanned else "undefined")
         lines.append(f"vs {base}: {per_load}  → headline {head}")
