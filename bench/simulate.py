@@ -11,8 +11,11 @@ On ``clusters/helix-paper-single24`` (LLaMA-2 70B, offline, 60 s warm-up + 600 s
 3. routing on the MILP placement and on our default placement, like for like: every router gets
    the same coordinator admission (the offline feeder on the coordinator's KV estimate,
    ``router.kv``); only the next hop differs (IWRR over the flows with watermark masking vs
-   uniform random among valid hops, shortest queue, Swarm-style). Fixed-concurrency runs
-   (an oracle's KV-bound count, and 900) are extra sensitivity rows;
+   uniform random among valid hops, shortest queue, Swarm-style). Then the paper's own protocol
+   (its artifact's ``request_scheduling/setup2``: random, shortest-queue and Swarm routing
+   "can not reject a request", so they run at a fixed 180 requests in flight while IWRR feeds on
+   its KV estimate), and random routing swept over fixed in-flight counts (90 … 900, and an
+   oracle's KV-bound count): how much of IWRR's lead is admission rather than next-hop choice;
 4. peak KV per node (true and the router's estimate, IWRR and random); throughput over time
    (steady state); speed and memory.
 
@@ -42,6 +45,7 @@ from simulator.engine import SimConfig, SimResult, Simulation, simulate  # noqa:
 
 PAPER = ROOT / "clusters" / "helix-paper-single24"
 PAPER_MILP, PAPER_SWARM = 252.1, 124.7
+PAPER_FIXED_INFLIGHT = 180  # the artifact's in-flight count for routers without KV admission (Swarm, random)
 
 
 def ranking_line(est: dict[str, float | None], sim: dict[str, float]) -> str:
@@ -91,7 +95,7 @@ def main() -> int:
     r_milp, wall_milp = run(milp)
     _, peak_traced = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    r_swarm, wall_swarm = run(swarm_plan, "swarm", max_inflight=180)
+    r_swarm, wall_swarm = run(swarm_plan, "swarm", max_inflight=PAPER_FIXED_INFLIGHT)
     t = Table(title=f"Fidelity vs the paper's simulator (offline, {warmup:.0f}+{duration:.0f} s)")
     for c in ("placement + router", "decode tok/s", "paper", "error", "within 15%"):
         t.add_column(c, justify="left" if c.startswith("placement") else "right")
@@ -164,17 +168,30 @@ def main() -> int:
             rows.append((label, "KV feeder", r))
             if router == "random":
                 random_runs[pname] = r
-        fixed = [("IWRR + KV masking", "iwrr", oracle), ("random (no masking)", "random", oracle)]
-        if plan is milp:  # overload thrashes (preempt, re-prefill) and is slow to simulate: one placement only
-            fixed.append(("random (no masking)", "random", 900))
-        for label, router, n in fixed:
-            rows.append((label, f"fixed {n} (sensitivity)", run(plan, router, max_inflight=n)[0]))
+        paper_rows = [(label, router, PAPER_FIXED_INFLIGHT, "paper protocol: fixed") for label, router in
+                      (("random (no masking)", "random"), ("shortest queue", "shortest-queue"), ("swarm-style", "swarm"))]
+        sweep = sorted({90, 270, 540, oracle} | ({900} if plan is milp else set()))  # 900 thrashes: slow, one placement
+        fixed = paper_rows + [("random (no masking)", "random", n, "sweep: fixed") for n in sweep]
+        fixed.append(("IWRR + KV masking", "iwrr", oracle, "sweep: fixed"))
+        random_fixed: dict[int, float] = {}
+        for label, router, n, kind in fixed:
+            r = run(plan, router, max_inflight=n)[0]
+            rows.append((label, f"{kind} {n}", r))
+            if router == "random":
+                random_fixed[n] = r.decode_tok_s
         for label, adm, r in rows:
             t.add_row(label, adm, f"{r.extra.get('mean_inflight', float('nan')):.0f}", f"{r.decode_tok_s:.1f}",
                       f"{r_iwrr.decode_tok_s / r.decode_tok_s:.2f}", str(r.preemptions),
                       f"{max(r.kv_peak_fraction.values()):.0%}", f"{r.prompt_latency_s['p50']:.2f}",
                       f"{r.decode_latency_s['p50']:.3f}")
         console.print(t)
+        best_n = max(random_fixed, key=random_fixed.__getitem__)
+        console.print(
+            f"IWRR + KV masking ÷ random routing on the {pname} placement (target ≥ 1.2): "
+            f"paper's protocol (random at a fixed {PAPER_FIXED_INFLIGHT} in flight) "
+            f"{r_iwrr.decode_tok_s / random_fixed[PAPER_FIXED_INFLIGHT]:.2f}x; random at its best fixed count of the "
+            f"sweep ({best_n}) {r_iwrr.decode_tok_s / random_fixed[best_n]:.2f}x; random given IWRR's own KV feeder "
+            f"{r_iwrr.decode_tok_s / random_runs[pname].decode_tok_s:.2f}x")
         console.print(f"[dim]fixed {oracle} = requests of expected length the fullest layer's KV holds at "
                       f"feed_hwm (an oracle's choice no real router makes)[/]")
 
