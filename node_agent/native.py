@@ -7,8 +7,8 @@
 * ``rms_norm`` and ``silu_mul``: one pass each where PyTorch's CPU ops chain five and two.
 
 It is compiled once per machine with ``torch.utils.cpp_extension`` (g++ and ninja; ~20 s, cached
-under ``~/.cache/torch_extensions``, rebuilt when the source changes); ``make setup`` builds it
-ahead (``python -m node_agent.native``). If it cannot be built or loaded (no compiler,
+under ``~/.cache/torch_extensions`` per CPU model, rebuilt when the source changes); ``make setup``
+builds it ahead (``python -m node_agent.native``). If it cannot be built or loaded (no compiler,
 ``HELIX_NATIVE=0``), :func:`ops` returns ``None`` with a logged reason and the model keeps its
 PyTorch path (per-request SDPA, ``F.rms_norm``, ``F.silu``), which gives the same tokens.
 """
@@ -16,8 +16,10 @@ PyTorch path (per-request SDPA, ``F.rms_norm``, ``F.silu``), which gives the sam
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
+import platform
 import sys
 import time
 from pathlib import Path
@@ -34,6 +36,17 @@ CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"]
 LDFLAGS = ["-lmvec"]  # glibc's vector math (the vectorized exp)
 
 _unavailable_reason: str | None = None
+
+
+def library_name() -> str:
+    """``helix_native_<cpu>``: -march=native code is only valid on the CPU it was built for, and a
+    home directory (the build cache) can be shared by machines with different CPUs."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = "".join(sorted({line for line in f if line.startswith(("model name", "flags"))}))
+    except OSError:
+        cpu = platform.processor() or platform.machine()
+    return "helix_native_" + hashlib.sha256(cpu.encode()).hexdigest()[:10]
 
 
 def unavailable_reason() -> str | None:
@@ -58,7 +71,7 @@ def _load() -> Any | None:
         from torch.utils import cpp_extension
 
         t0 = time.perf_counter()
-        cpp_extension.load(name="helix_native", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+        cpp_extension.load(name=library_name(), sources=[str(SOURCE)], extra_cflags=CFLAGS,
                            extra_ldflags=LDFLAGS, is_python_module=False, verbose=False)
         namespace = torch.ops.helix
         for name in ("decode_attention", "rms_norm", "silu_mul"):
