@@ -85,6 +85,7 @@ def test_a_failed_build_falls_back_with_the_reason(monkeypatch: pytest.MonkeyPat
         raise RuntimeError("Error building extension 'helix_native'\nc++: not found")
 
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    monkeypatch.delenv("HELIX_NATIVE", raising=False)
     assert native._load.__wrapped__() is None  # the uncached loader: the process's loaded library stays
     assert native.unavailable_reason() == "RuntimeError: c++: not found"
     monkeypatch.setattr(native, "_unavailable_reason", None)
