@@ -170,9 +170,7 @@ def main() -> int:
                 random_runs[pname] = r
         paper_rows = [(label, router, PAPER_FIXED_INFLIGHT, "paper protocol: fixed") for label, router in
                       (("random (no masking)", "random"), ("shortest queue", "shortest-queue"), ("swarm-style", "swarm"))]
-        # past the KV-bound count a fixed population thrashes (preempt, re-prefill), which is slow to simulate: the
-        # over-full counts run on the MILP placement only
-        sweep = sorted({90, 270, oracle} | ({540, 900} if plan is milp else set()))
+        sweep = sorted({90, 270, 540, oracle} | ({900} if plan is milp else set()))  # 900: one placement is enough
         fixed = paper_rows + [("random (no masking)", "random", n, "sweep: fixed") for n in sweep]
         fixed.append(("IWRR + KV masking", "iwrr", oracle, "sweep: fixed"))
         random_fixed: dict[int, float] = {}

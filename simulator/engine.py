@@ -24,7 +24,7 @@ Model (documented with its calibration in ``docs/simulator.md``):
   last layer (absent: 0). True KV use (entries = tokens x layers) is
   enforced against the node's capacity: a request that would not fit waits, and if nothing
   fits the latest-admitted waiting request is preempted (its KV freed everywhere, re-admitted
-  later with its generated tokens re-prefilled), so KV never exceeds capacity.
+  once a request finishes, with its generated tokens re-prefilled), so KV never exceeds capacity.
 * **Chunked prefill** (``prefill_chunk_tokens``, off by default): one chunk of the oldest
   prompt per iteration, as ``helix agent`` runs (Sarathi); off, whole prompts are batched.
 * **Shared hosts** (``host_cores``, off by default): nodes whose addresses name the same host
@@ -141,6 +141,7 @@ class Simulation:
         self.decode_lat: list[float] = []
         self.finished = 0
         self.preemptions = 0
+        self.preempted: deque[SimRequest] = deque()  # victims wait here until a finished request frees KV
         # nodes sharing a host's cores (host_cores): host -> [iterations running, nodes waiting]
         self.host_of = {nid: _host(cluster.node(nid).address) or nid for nid in self.nodes}
         self.hosts: dict[str, tuple[list[int], deque[SimNode]]] = {h: ([0], deque()) for h in self.host_of.values()}
@@ -318,8 +319,9 @@ class Simulation:
         victim.ctx = victim.prompt + victim.generated
         victim.prefill = True
         victim.pdone = 0
-        self.waiting.appendleft(victim)
-        self._push(self.now, _NEW, None)  # retry admission once this event is done
+        # re-admitted when a request finishes (and frees KV), not at once: re-admitted now, it would be routed
+        # straight back into a full node and preempted again, millions of times under a fixed overload
+        self.preempted.append(victim)
 
     def _free_kv(self, r: SimRequest) -> None:
         for nid, e in r.kv.items():
@@ -397,6 +399,8 @@ class Simulation:
                 self.inflight -= 1
                 self.finished += 1
                 triggers += 1
+                while self.preempted:  # KV was freed: the victims go first, oldest at the head
+                    self.waiting.appendleft(self.preempted.pop())
                 continue
             r.stage = 0
             dst = r.stages[0].node
