@@ -170,9 +170,9 @@ class StageModel:
         qkv = w.qkv(rms_norm(x, w.input_norm, cfg.rms_norm_eps))
         qk = apply_rope(qkv[:, :(h + n_kv) * d].view(-1, h + n_kv, d), cos, sin)  # q and k in one go
         v = qkv[:, (h + n_kv) * d:].view(-1, n_kv, d)
-        decodes = self._native_decodes(segments, x)
+        kernels, decodes = self._native_decodes(segments, x)
         if decodes:
-            attn = self._attend_decodes(layer, segments, decodes, qk, v)
+            attn = self._attend_decodes(kernels, layer, segments, decodes, qk, v)
         elif len(segments) == 1:
             attn = self._attend(layer, segments[0], qk[:, :h], qk[:, h:], v)
         else:
@@ -181,13 +181,14 @@ class StageModel:
         x = w.o_proj.add(attn, x)
         return w.down.add(silu_mul(w.gate_up(rms_norm(x, w.post_norm, cfg.rms_norm_eps))), x)
 
-    def _native_decodes(self, segments: list[Segment], x: torch.Tensor) -> list[int]:
-        """Indices of the one-token segments the native kernel takes (none if it is unavailable)."""
-        if _native_for(x) is None:
-            return []
-        return [i for i, s in enumerate(segments) if s.num_tokens == 1 and s.kv.k.dtype == torch.float32]
+    def _native_decodes(self, segments: list[Segment], x: torch.Tensor) -> tuple[Any | None, list[int]]:
+        """The native kernels and the indices of the one-token segments they take (none if unavailable)."""
+        kernels = _native_for(x)
+        if kernels is None:
+            return None, []
+        return kernels, [i for i, s in enumerate(segments) if s.num_tokens == 1 and s.kv.k.dtype == torch.float32]
 
-    def _attend_decodes(self, layer: int, segments: list[Segment], decodes: list[int],
+    def _attend_decodes(self, kernels: Any, layer: int, segments: list[Segment], decodes: list[int],
                         qk: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Attention of the step: its one-token decodes in one native call, other segments per request.
 
@@ -198,18 +199,15 @@ class StageModel:
         dec = [segments[i] for i in decodes]
         for s in dec:
             s.kv.claim(s.first_position, 1)
-        positions = torch.tensor([s.first_position for s in dec])
-        cache_layers = torch.tensor([layer - s.kv.layer_start for s in dec])
-        kernels = _native_for(qk)
-        assert kernels is not None
-        op = kernels.decode_attention
-        if len(dec) == len(segments):
-            return op(qk[:, :h], qk[:, h:], v, [s.kv.k for s in dec], [s.kv.v for s in dec],
-                      positions, cache_layers, d ** -0.5)
-        rows = torch.tensor([s.rows.start for s in dec])
+        rows = None if len(dec) == len(segments) else torch.tensor([s.rows.start for s in dec])
+        q, k_new, v_new = (qk[:, :h], qk[:, h:], v) if rows is None else (qk[rows, :h], qk[rows, h:], v[rows])
+        attn = kernels.decode_attention(q, k_new, v_new, [s.kv.k for s in dec], [s.kv.v for s in dec],
+                                        torch.tensor([s.first_position for s in dec]),
+                                        torch.tensor([layer - s.kv.layer_start for s in dec]), d ** -0.5)
+        if rows is None:
+            return attn
         out = torch.empty(qk.shape[0], h * d, dtype=qk.dtype)
-        out.index_copy_(0, rows, op(qk[rows, :h], qk[rows, h:], v[rows], [s.kv.k for s in dec],
-                                    [s.kv.v for s in dec], positions, cache_layers, d ** -0.5))
+        out.index_copy_(0, rows, attn)
         native_rows = set(decodes)
         for i, s in enumerate(segments):
             if i not in native_rows:
