@@ -49,18 +49,21 @@ def library_name() -> str:
     return "helix_native_" + hashlib.sha256(cpu.encode()).hexdigest()[:10]
 
 
+def disabled() -> bool:
+    """Whether the kernels are switched off on purpose (``HELIX_NATIVE=0``)."""
+    return os.environ.get("HELIX_NATIVE", "1") == "0"
+
+
 def unavailable_reason() -> str | None:
     """Why the kernels are not in use (after :func:`ops` returned ``None``), else ``None``."""
-    if os.environ.get("HELIX_NATIVE", "1") == "0":
+    if disabled():
         return "disabled by HELIX_NATIVE=0"
     return _unavailable_reason
 
 
 def ops() -> Any | None:
     """The ``torch.ops.helix`` namespace, building the kernels if needed; ``None`` if unavailable (logged once)."""
-    if os.environ.get("HELIX_NATIVE", "1") == "0":
-        return None
-    return _load()
+    return None if disabled() else _load()
 
 
 @functools.cache

@@ -85,11 +85,9 @@ def tiny_llama(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 
 def require_native() -> Any:
     """The native kernels (``torch.ops.helix``); they must build here (skip only when disabled on purpose)."""
-    import os
-
     from node_agent import native
 
-    if os.environ.get("HELIX_NATIVE") == "0":
+    if native.disabled():
         pytest.skip("native kernel disabled by HELIX_NATIVE=0")
     kernels = native.ops()
     assert kernels is not None, f"native kernels did not build: {native.unavailable_reason()}"
