@@ -32,6 +32,7 @@ import zmq
 
 from helix import wire
 from helix.errors import CapacityError, HelixError, ProtocolError
+from node_agent.step_log import StepLog
 from node_agent.transport import PushPool, configure, frame_tensor, sampling_params, tensor_frame
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ class AgentConfig:
     # request) join one step here: fewer, fuller steps (decode is memory-bound: a step streams all weights)
     gather_window_s: float = 0.003
     torch_threads: int | None = None  # set in the engine thread too (OpenMP thread counts are per thread)
+    step_log: str | None = None  # write one JSON line per engine step here (StepLog)
 
 
 @dataclass(slots=True)
@@ -222,6 +224,7 @@ class NodeAgent:
             import torch
 
             torch.set_num_threads(self.config.torch_threads)
+        step_log = StepLog(self.config.step_log) if self.config.step_log else None
         try:
             while not self._stopping:
                 while self._inbox:
@@ -232,7 +235,7 @@ class NodeAgent:
                             self._reject("engine", exc)
                             if identity is not None:
                                 self._out("", wire.Error("protocol", exc.message))
-                busy = self._step()
+                busy = self._step(step_log)
                 sched = getattr(self.engine, "scheduler", None)
                 self._kv = self.engine.kv_usage()
                 if sched is not None:
@@ -247,6 +250,8 @@ class NodeAgent:
             raise
         finally:
             self._stopping = True
+            if step_log is not None:
+                step_log.close()
 
     def _apply(self, msg: wire.Message) -> None:  # engine thread
         if isinstance(msg, wire.Admit):
@@ -405,8 +410,8 @@ class NodeAgent:
     def _reply(self, reply_to: str, msg: wire.Message) -> None:  # engine thread
         self._out(reply_to, msg)
 
-    def _step(self) -> bool:
-        result = self.engine.step()
+    def _step(self, step_log: StepLog | None = None) -> bool:
+        result = self.engine.step() if step_log is None else step_log.run(self.engine.step)
         if not result.outputs:
             return False
         self.stats.steps += 1

@@ -38,6 +38,8 @@ def add_agent_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wire-dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--max-frame-bytes", type=int, default=64 << 20, help="largest wire frame accepted")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1 when several agents share a host)")
+    p.add_argument("--step-log", metavar="FILE",
+                   help="write one JSON line per engine step (time, CPU, batch by layer) to FILE; {node} is replaced")
 
 
 def _host(address: str) -> str:
@@ -70,14 +72,14 @@ def run_agent(args: argparse.Namespace) -> int:
                        control_bind=control, data_bind=data, secret=secret.encode(),
                        kv_capacity_tokens=args.kv_capacity_tokens, max_batch_size=args.max_batch_size,
                        token_budget=args.token_budget, chunk_size=args.chunk_size or None,
-                       wire_dtype=args.wire_dtype, threads=args.threads,
-                       max_frame_bytes=args.max_frame_bytes)  # fmt: skip
+                       wire_dtype=args.wire_dtype, threads=args.threads, max_frame_bytes=args.max_frame_bytes,
+                       step_log=args.step_log.replace("{node}", args.node) if args.step_log else None)  # fmt: skip
 
 
 def serve_agent(*, node_id: str, layer_start: int, layer_end: int, model_dir: str | None, control_bind: str,
                 data_bind: str, secret: bytes, kv_capacity_tokens: int = 65536, max_batch_size: int = 32,
                 token_budget: int = 512, chunk_size: int | None = 256, wire_dtype: str = "float32",
-                threads: int = 1, max_frame_bytes: int = 64 << 20) -> int:
+                threads: int = 1, max_frame_bytes: int = 64 << 20, step_log: str | None = None) -> int:
     """Load the stage, bind, print READY, serve until SIGTERM/SIGINT."""
     import torch
 
@@ -92,7 +94,8 @@ def serve_agent(*, node_id: str, layer_start: int, layer_end: int, model_dir: st
                          scheduler=SchedulerConfig(max_batch_size=max_batch_size, token_budget=token_budget,
                                                    chunk_size=chunk_size))  # fmt: skip
     config = AgentConfig(node_id=node_id, control_bind=control_bind, data_bind=data_bind, secret=secret,
-                         wire_dtype=wire_dtype, max_frame_bytes=max_frame_bytes, torch_threads=threads)
+                         wire_dtype=wire_dtype, max_frame_bytes=max_frame_bytes, torch_threads=threads,
+                         step_log=step_log)
     agent = NodeAgent(config, engine)
     agent.install_signals()
     print(f"READY node={node_id} layers={layer_start}:{layer_end} control={agent.control_address} "

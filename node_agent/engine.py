@@ -16,7 +16,7 @@ A :class:`StageEngine` holds layers ``[layer_start, layer_end)`` of a model, a K
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -47,6 +47,10 @@ class StepResult:
     outputs: list[RequestOutput]
     num_tokens: int
     num_prefill_tokens: int
+    # what ran, by the first layer the requests entered at: layer -> (prefill tokens, decoding requests,
+    # their context tokens); the shape of the simulator's iteration cost (a request entering mid-range
+    # runs only its layers)
+    by_start: dict[int, tuple[int, int, int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -155,10 +159,18 @@ class StageEngine:
             segments, hidden = self._gather(batch)
             hidden = self.model.forward(hidden, segments)
             outputs, finished = self._emit(batch, segments, hidden)
+        by_start: dict[int, tuple[int, int, int]] = {}
+        for work in batch.work:
+            start = self._requests[work.request_id].layer_start
+            prefill, decodes, context = by_start.get(start, (0, 0, 0))
+            if work.is_prefill:
+                by_start[start] = (prefill + work.num_tokens, decodes, context)
+            else:  # attends over every position up to its own
+                by_start[start] = (prefill, decodes + 1, context + work.first_position + 1)
         self.scheduler.update(batch, finished)
         for request_id in finished:
             del self._requests[request_id]
-        return StepResult(outputs, batch.num_tokens, sum(w.num_tokens for w in batch.work if w.is_prefill))
+        return StepResult(outputs, batch.num_tokens, sum(w.num_tokens for w in batch.work if w.is_prefill), by_start)
 
     def _gather(self, batch: Batch) -> tuple[list[Segment], torch.Tensor]:
         rows: list[torch.Tensor] = []

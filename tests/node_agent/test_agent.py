@@ -28,6 +28,7 @@ import torch
 import zmq
 
 from helix import wire
+from node_agent.step_log import read_step_log
 from router.agents_io import AgentsIO, TokenEvent
 from router.pipeline import Stage
 
@@ -306,10 +307,15 @@ def test_dead_agent_is_noticed_and_used_again_when_back(tmp_path: Path, tiny_mod
             while not alive.empty():
                 alive.get()
             (tmp_path / "again").mkdir()
+            steps = tmp_path / "again" / "steps-{node}.jsonl"  # the restarted agent also logs its steps
             agents.update(start_agents(tmp_path / "again", tiny_model, {"b": (2, 4)},
-                                       extra={"b": ["--bind", agents["b"].control]}))
+                                       extra={"b": ["--bind", agents["b"].control, "--step-log", str(steps)]}))
             assert alive.get(timeout=20) == "b"
             got = run(io, [([5, 6, 7], pipeline)], max_tokens=4)
             assert len(tokens_of(got)[0]) == 4
+        assert stop_agents(agents)["b"] == 0  # the log is written out when the agent stops
+        records = read_step_log(tmp_path / "again" / "steps-b.jsonl")
+        # b entered at layer 2 for every step: the 3-token prompt, then one decode per new token
+        assert [r["by_start"] for r in records] == [{2: (3, 0, 0)}, {2: (0, 1, 4)}, {2: (0, 1, 5)}, {2: (0, 1, 6)}]
     finally:
         stop_agents(agents)

@@ -105,3 +105,27 @@ def test_seeded_sampling_does_not_depend_on_split_or_batch(tiny_llama: tuple[Pat
             tokens += [o.token for o in pipe.step() if o.request_id == "s"]
         runs.append(tokens)
     assert runs[0] == runs[1] and len(runs[0]) == 8
+
+
+def test_a_step_reports_what_it_ran_by_entry_layer(tiny_llama: tuple[Path, Any], tmp_path: Path) -> None:
+    """StepResult.by_start (and the agent's step log written from it): prefill tokens, decodes and
+    their context per first layer, the composition the simulator prices an iteration by."""
+    from node_agent.step_log import StepLog, read_step_log
+
+    model_dir, _ = tiny_llama
+    engine = StageEngine(model_dir, 0, 4, scheduler=SchedulerConfig(max_batch_size=4, token_budget=64, chunk_size=None),
+                         kv_capacity_tokens=512)  # fmt: skip
+    sampling = SamplingParams(max_tokens=3)
+    engine.add_request("whole", sampling, prompt_token_ids=[5, 6, 7, 8, 9])
+    engine.add_request("tail", sampling, prompt_len=4, layer_range=(2, 4))
+    engine.push_hidden("tail", torch.randn(4, engine.config.hidden_size))
+    log = StepLog(tmp_path / "steps.jsonl")
+    first = log.run(engine.step)
+    assert first.by_start == {0: (5, 0, 0), 2: (4, 0, 0)}
+    engine.push_hidden("tail", torch.randn(1, engine.config.hidden_size))  # its next token's input
+    second = log.run(engine.step)  # both decode: positions 5 and 4 attend over 6 and 5 tokens
+    assert second.by_start == {0: (0, 1, 6), 2: (0, 1, 5)}
+    log.close()
+    records = read_step_log(tmp_path / "steps.jsonl")
+    assert [r["by_start"] for r in records] == [first.by_start, second.by_start]
+    assert all(r["cpu_ms"] > 0 and r["wall_ms"] > 0 for r in records)
