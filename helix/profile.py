@@ -37,6 +37,13 @@ holds the last layer; exact for a node holding the whole model)::
 
 The simulator and the planner's serving model charge them where they are paid.
 
+Optional context cost (absent = decode cost does not depend on context): the decode curve was
+measured with every request holding ``decode_context_tokens`` of context;
+``decode_ms_per_context_token`` is what one layer pays more per decoding request for every
+token of context beyond that (less below it): attention reads every cached key and value, and
+on a CPU a batch of long contexts reads as many bytes as the weights. :func:`derive_tok_s`
+prices its mean context with it, the simulator every request's own.
+
 ``kv_capacity_tokens_by_layers[k-1]`` counts KV *entries* (one token in one layer) that fit
 when the node holds ``k`` layers; each layer then keeps ``value / k`` tokens of context.
 """
@@ -87,6 +94,8 @@ class ThroughputProfile(_Strict):
     decode_max_tokens_by_layers: list[int] | None = None  # largest decode batch (requests) per step
     step_overhead_ms: Curve | None = None  # [batch tokens, ms] once per iteration on every stage
     head_ms: Curve | None = None  # [batch size, ms] once per iteration on the stage with the last layer
+    decode_context_tokens: float | None = Field(default=None, gt=0)  # context the decode curve was measured at
+    decode_ms_per_context_token: float | None = Field(default=None, ge=0)  # per layer, request, token beyond it
 
     @model_validator(mode="after")
     def _check(self) -> ThroughputProfile:
@@ -97,9 +106,18 @@ class ThroughputProfile(_Strict):
                 raise ValueError("tok_s entries must be positive")
         elif self.prefill_ms_per_layer is None or self.decode_ms_per_layer is None:
             raise ValueError("give tok_s, or both prefill_ms_per_layer and decode_ms_per_layer")
+        if (self.decode_context_tokens is None) != (self.decode_ms_per_context_token is None):
+            raise ValueError("give decode_context_tokens and decode_ms_per_context_token together")
         if self.kv_capacity_tokens_by_layers is not None and len(self.kv_capacity_tokens_by_layers) != self.max_layers:
             raise ValueError("kv_capacity_tokens_by_layers needs one entry per layer count up to max_layers")
         return self
+
+    def decode_context_ms(self, context_tokens: float) -> float:
+        """Per layer and decoding request: what a context of ``context_tokens`` costs beyond
+        (or, negative, below) the one the decode curve was measured at; 0 without the fields."""
+        if self.decode_ms_per_context_token is None or self.decode_context_tokens is None:
+            return 0.0
+        return (context_tokens - self.decode_context_tokens) * self.decode_ms_per_context_token
 
     def tok_s_table(self, model: ModelProfile) -> list[float]:
         """tokens/s through all k layers, k = 1..max_layers (given, or derived from the curves)."""
@@ -179,7 +197,8 @@ def derive_tok_s(
         decode_points = [(b, ms) for b, ms in tp.decode_ms_per_layer if 0 < b <= max_batch and ms > 0]
         if not decode_points:
             decode_points = [(max_batch, _interp(tp.decode_ms_per_layer, max_batch))]
-        decode = max(b / ((k * ms + fixed_ms(b, b, k)) / 1000) for b, ms in decode_points)
+        per_request = tp.decode_context_ms(context)
+        decode = max(b / ((k * max(ms + b * per_request, 1e-6) + fixed_ms(b, b, k)) / 1000) for b, ms in decode_points)
         out.append(1.0 / (f_prompt / prefill + (1 - f_prompt) / decode))
     return out
 

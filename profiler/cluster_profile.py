@@ -111,6 +111,8 @@ def _throughput(measured: dict[str, Any], free_bytes: float, settings: MeasureSe
         decode_max_tokens_by_layers=[AGENT_MAX_BATCH_SIZE] * k_max,
         step_overhead_ms=[tuple(p) for p in measured["step_overhead_ms"]] if "step_overhead_ms" in measured else None,
         head_ms=[tuple(p) for p in measured["head_ms"]] if "head_ms" in measured else None,
+        decode_context_tokens=measured.get("decode_context_tokens"),
+        decode_ms_per_context_token=measured.get("decode_ms_per_context_token"),
     )
 
 

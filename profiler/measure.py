@@ -7,7 +7,10 @@ each exactly as an agent does, with ``add_request`` / ``push_hidden`` / ``step``
 * **prefill**: one request of ``t`` prompt tokens in one step (chunking off), for every ``t`` in
   ``prefill_tokens``; the median step time of ``repeats`` runs;
 * **decode**: ``b`` requests with ``context_tokens`` of context each, one new token each per
-  step, for every ``b`` in ``decode_batches``; likewise.
+  step, for every ``b`` in ``decode_batches``; likewise;
+* **context**: ``context_batch`` requests decoding with ``long_context_tokens`` of context
+  instead: the cost of context (attention reads every cached key and value) per layer, per
+  request and per token, ``decode_ms_per_context_token``.
 
 From the three stages' step times come the per-layer curves (see :func:`measure_device`). The
 two middle stages are long enough that their weights do not fit the device's last-level cache
@@ -40,7 +43,9 @@ DEFAULT_PREFILL_TOKENS = (16, 64, 128, 256)  # the agent's prefill chunk is 256
 DEFAULT_DECODE_BATCHES = (1, 2, 4, 8, 16, 32)
 DEFAULT_CONTEXT_TOKENS = 64
 DEFAULT_MIN_KV_TOKENS_PER_LAYER = 65536
-MEASURE_VERSION = 6  # bump when what measure_device returns changes (invalidates caches)
+DEFAULT_LONG_CONTEXT_TOKENS = 256  # one prefill step at the agent's chunk
+DEFAULT_CONTEXT_BATCH = 8
+MEASURE_VERSION = 7  # bump when what measure_device returns changes (invalidates caches)
 
 Progress = Callable[[str], None]
 
@@ -53,6 +58,8 @@ class MeasureSettings:
     prefill_tokens: tuple[int, ...] = DEFAULT_PREFILL_TOKENS
     decode_batches: tuple[int, ...] = DEFAULT_DECODE_BATCHES
     context_tokens: int = DEFAULT_CONTEXT_TOKENS
+    long_context_tokens: int = DEFAULT_LONG_CONTEXT_TOKENS
+    context_batch: int = DEFAULT_CONTEXT_BATCH
     repeats: int = 9
     min_kv_tokens_per_layer: int = DEFAULT_MIN_KV_TOKENS_PER_LAYER
 
@@ -63,6 +70,8 @@ class MeasureSettings:
             "prefill_tokens": list(self.prefill_tokens),
             "decode_batches": list(self.decode_batches),
             "context_tokens": self.context_tokens,
+            "long_context_tokens": self.long_context_tokens,
+            "context_batch": self.context_batch,
             "repeats": self.repeats,
         }
 
@@ -149,8 +158,9 @@ def _median_ms(samples: list[float]) -> float:
 
 
 def _step_curves(engines: dict[str, Any], settings: MeasureSettings,
-                 note: Progress) -> dict[str, tuple[list[float], list[float]]]:  # fmt: skip
-    """Median step ms of every engine for every prefill size and decode batch of ``settings``.
+                 note: Progress) -> dict[str, tuple[list[float], list[float], list[float]]]:  # fmt: skip
+    """Median step ms of every engine for every prefill size and decode batch of ``settings``,
+    and of its ``context_batch`` decoding at ``context_tokens`` and at ``long_context_tokens``.
 
     The engines take turns step by step (each sample of one engine sits between samples of the
     others), so a change in the machine's load during the measurement — another process, a
@@ -196,14 +206,15 @@ def _step_curves(engines: dict[str, Any], settings: MeasureSettings,
                 engine.cancel(rid)
         for label in engines:
             prefill[label].append(_median_ms(samples[label]))
-    for b in s.decode_batches:
-        note(f"decode batch {b}")
-        rids = {label: [add(engine, s.context_tokens) for _ in range(b)] for label, engine in engines.items()}
+
+    def decode_ms(b: int, context: int) -> dict[str, float]:
+        """Median step ms of ``b`` requests holding ``context`` tokens decoding one token each."""
+        rids = {label: [add(engine, context) for _ in range(b)] for label, engine in engines.items()}
         for label, engine in engines.items():
             running = engine.scheduler.running
             while any(running.get(r) is None or running[r].in_prefill for r in rids[label]):
                 engine.step()
-        samples = {label: [] for label in engines}
+        samples: dict[str, list[float]] = {label: [] for label in engines}
         for _ in range(s.repeats + 1):
             for label, engine in engines.items():
                 for rid in rids[label]:
@@ -212,8 +223,15 @@ def _step_curves(engines: dict[str, Any], settings: MeasureSettings,
         for label, engine in engines.items():
             for rid in rids[label]:
                 engine.cancel(rid)
-            decode[label].append(_median_ms(samples[label][1:]))
-    return {label: (prefill[label], decode[label]) for label in engines}
+        return {label: _median_ms(samples[label][1:]) for label in engines}
+
+    for b in s.decode_batches:
+        note(f"decode batch {b}")
+        for label, ms in decode_ms(b, s.context_tokens).items():
+            decode[label].append(ms)
+    note(f"decode batch {s.context_batch} at {s.long_context_tokens} tokens of context")
+    near, far = decode_ms(s.context_batch, s.context_tokens), decode_ms(s.context_batch, s.long_context_tokens)
+    return {label: (prefill[label], decode[label], [near[label], far[label]]) for label in engines}
 
 
 def measure_device(
@@ -256,10 +274,15 @@ def measure_device(
     if n < 3:
         raise ConfigError(f"profiling needs a model with at least 3 layers, this one has {n}", source=str(model_dir))
     short, layers = probe_stage_layers(n, config.layer_weight_bytes(4), last_level_cache_bytes(), s.probe_layers)
-    max_batch = max(s.decode_batches)
-    sched = SchedulerConfig(max_batch_size=max_batch, token_budget=max(max(s.prefill_tokens), max_batch),
+    if s.long_context_tokens <= s.context_tokens:
+        raise ConfigError(f"long_context_tokens ({s.long_context_tokens}) must exceed context_tokens ({s.context_tokens})",
+                          field="long_context_tokens")  # fmt: skip
+    max_batch = max(*s.decode_batches, s.context_batch)
+    sched = SchedulerConfig(max_batch_size=max_batch,
+                            token_budget=max(max(s.prefill_tokens), max_batch, s.long_context_tokens),
                             chunk_size=None)  # fmt: skip
-    kv_tokens = max_batch * (s.context_tokens + s.repeats + 16) + max(s.prefill_tokens) * 2 + 1024
+    kv_tokens = (max_batch * (s.context_tokens + s.repeats + 16) + max(s.prefill_tokens) * 2 + 1024
+                 + s.context_batch * (s.long_context_tokens + s.repeats + 16))  # fmt: skip
     engines = {
         "short": StageEngine(model_dir, 1, 1 + short, kv_capacity_tokens=kv_tokens, scheduler=sched),
         "long": StageEngine(model_dir, 1, 1 + layers, kv_capacity_tokens=kv_tokens, scheduler=sched),
@@ -270,7 +293,11 @@ def measure_device(
         loaded()
     curves = _step_curves(engines, s, note)
     del engines
-    (pre_one, dec_one), (pre_mid, dec_mid), (pre_last, dec_last) = curves["short"], curves["long"], curves["last"]
+    (pre_one, dec_one, ctx_one), (pre_mid, dec_mid, ctx_mid), (pre_last, dec_last, _) = (
+        curves["short"], curves["long"], curves["last"])
+    # context: the per-layer slope of the step's growth from the near to the far context, per request and token
+    ctx_layer = (ctx_mid[1] - ctx_mid[0] - (ctx_one[1] - ctx_one[0])) / (layers - short)
+    ctx_ms = max(0.0, ctx_layer / s.context_batch / (s.long_context_tokens - s.context_tokens))
     weight_bytes = config.layer_weight_bytes(4)
     pre_layer = _slopes(pre_one, pre_mid, short, layers)
     dec_layer = _slopes(dec_one, dec_mid, short, layers)
@@ -288,9 +315,13 @@ def measure_device(
                                                  in zip(s.prefill_tokens, pre_layer, pre_head, strict=True)],
         "decode_ms_per_layer": [[0.0, 0.0]] + [[float(b), round(ms + h / n, 4)] for b, ms, h
                                                 in zip(s.decode_batches, dec_layer, dec_head, strict=True)],
+        # the decode steps ran at context_tokens + 1 .. + repeats + 1 (each step adds a token)
+        "decode_context_tokens": float(s.context_tokens + 1 + s.repeats / 2),
+        "decode_ms_per_context_token": round(ctx_ms, 7),
         "raw": {"prefill_layer_ms": pre_layer, "prefill_head_ms": pre_head,
                 "decode_layer_ms": dec_layer, "decode_head_ms": dec_head,
-                "prefill_fixed_ms": pre_fixed, "decode_fixed_ms": dec_fixed, "probe_layers": [short, layers]},
+                "prefill_fixed_ms": pre_fixed, "decode_fixed_ms": dec_fixed, "probe_layers": [short, layers],
+                "context_step_ms": {"short": ctx_one, "long": ctx_mid}},
     })  # fmt: skip
 
 

@@ -152,6 +152,11 @@ def combine(measured: list[dict[str, Any]]) -> dict[str, Any]:
         xs = [p[0] for p in measured[0][curve]]
         ys = [statistics.median(p[1] for p in points) for points in zip(*(m[curve] for m in measured), strict=True)]
         out[curve] = [[x, round(y, 4)] for x, y in zip(xs, non_decreasing(ys), strict=True)]
+    if all("decode_ms_per_context_token" in m for m in measured):
+        out["decode_ms_per_context_token"] = round(statistics.median(m["decode_ms_per_context_token"] for m in measured), 7)
+    else:
+        out.pop("decode_ms_per_context_token", None)
+        out.pop("decode_context_tokens", None)
     out.pop("raw", None)
     out["nodes_combined"] = len(measured)
     return out

@@ -19,7 +19,8 @@ from profiler.measure import MeasureSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "clusters" / "demo"
-QUICK = MeasureSettings(probe_layers=1, prefill_tokens=(8, 32), decode_batches=(1, 4), context_tokens=16, repeats=1)
+QUICK = MeasureSettings(probe_layers=1, prefill_tokens=(8, 32), decode_batches=(1, 4), context_tokens=16, repeats=1,
+                        long_context_tokens=48, context_batch=2)
 
 
 @pytest.fixture()
@@ -40,6 +41,9 @@ def test_profile_demo_cluster_writes_loadable_profiles_and_links(demo: Path) -> 
     assert [t for t, _ in tp.prefill_ms_per_layer] == [0.0, 8.0, 32.0]
     assert all(ms > 0 for t, ms in tp.prefill_ms_per_layer + tp.decode_ms_per_layer if t > 0)
     assert tp.decode_max_tokens_by_layers and len(tp.decode_max_tokens_by_layers) == 30
+    # context costs: the decode curve's own context (context_tokens + 1 + repeats / 2) and a per-token price
+    assert tp.decode_context_tokens == QUICK.context_tokens + 1 + QUICK.repeats / 2
+    assert tp.decode_ms_per_context_token is not None and tp.decode_ms_per_context_token >= 0
     assert tp.max_layers == profiles.models[cluster.model].num_layers == 30
     table = tp.tok_s_table(profiles.models[cluster.model])
     assert len(table) == 30 and all(t > 0 for t in table)
@@ -129,6 +133,7 @@ def test_agent_batch_limits_match_the_agent_defaults() -> None:
 
 
 def test_cached_rerun_does_not_load_torch(demo: Path) -> None:
+    import dataclasses
     import subprocess
     import sys
 
@@ -138,8 +143,7 @@ def test_cached_rerun_does_not_load_torch(demo: Path) -> None:
         "from helix.spec import load_cluster\n"
         "from profiler.cluster_profile import profile_cluster\n"
         "from profiler.measure import MeasureSettings\n"
-        f"s = MeasureSettings(probe_layers={QUICK.probe_layers}, prefill_tokens={QUICK.prefill_tokens!r}, "
-        f"decode_batches={QUICK.decode_batches!r}, context_tokens={QUICK.context_tokens}, repeats={QUICK.repeats})\n"
+        f"s = MeasureSettings(**{dataclasses.asdict(QUICK)!r})\n"
         f"r = profile_cluster(load_cluster({str(demo)!r}), settings=s, measure_links=False)\n"
         "assert r.cache_hits == ['cpu'], r.cache_hits\n"
         "assert 'torch' not in sys.modules\n"
