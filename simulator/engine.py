@@ -28,8 +28,11 @@ Model (documented with its calibration in ``docs/simulator.md``):
 * **Chunked prefill** (``prefill_chunk_tokens``, off by default): one chunk of the oldest
   prompt per iteration, as ``helix agent`` runs (Sarathi); off, whole prompts are batched.
 * **Shared hosts** (``host_cores``, off by default): nodes whose addresses name the same host
-  run at most ``host_cores`` iterations at a time (the loopback demo: three agents, two
-  cores); a node that could start waits for a core, first come first served.
+  share its ``host_cores`` cores as the OS shares them (processor sharing): an iteration
+  starts at once with what its node has, and while ``n`` iterations run on ``c`` cores each
+  advances at ``min(1, c / n)`` of its speed (the loopback demo: three agents, two cores).
+  A node slowed down this way gathers fewer arrivals per iteration than one that waited for a
+  free core, so it runs more, smaller iterations, as the real agents do.
 * **Links.** Each directed link is a FIFO server: a message of ``tokens x bytes per token``
   occupies it for ``bytes / bandwidth`` after the previous one, then arrives ``latency_ms``
   later. Activations between nodes, token ids to and from the coordinator.
@@ -41,6 +44,7 @@ import heapq
 import math
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -57,7 +61,7 @@ from simulator.workload import LengthSampler, RequestSpec, arrival_times
 
 __all__ = ["SimConfig", "SimResult", "Simulation", "simulate"]
 
-_NODE_DONE, _ARRIVE, _COORD, _NEW, _REPORT = 0, 1, 2, 3, 4
+_NODE_DONE, _ARRIVE, _COORD, _NEW, _REPORT, _WAKE = 0, 1, 2, 3, 4, 5
 
 
 def _host(address: str | None) -> str | None:
@@ -66,6 +70,15 @@ def _host(address: str | None) -> str | None:
         return None
     rest = address.split("://", 1)[-1]
     return rest.rsplit(":", 1)[0] if ":" in rest else rest
+
+
+@dataclass(slots=True)
+class _Host:
+    """A host whose nodes share ``host_cores`` cores: the iterations running on it, and when
+    their remaining work was last brought up to date."""
+
+    running: list[SimNode] = field(default_factory=list)
+    since: float = 0.0
 
 
 class Simulation:
@@ -109,8 +122,8 @@ class Simulation:
                               latency_table(tp.head_ms, n_tab, proportional_low=False) if tp.head_ms else None)
             step, head = fixed[gpu]
             cap = base.kv.nodes[nid].capacity if nid in base.kv.nodes else math.inf
-            self.nodes[nid] = SimNode(nid, s, e, cap, pf, dc, pmax, dmax, step,
-                                    head if e == self.num_layers else None)
+            self.nodes[nid] = SimNode(nid, s, e, cap, pf, dc, pmax, dmax, step, head if e == self.num_layers else None,
+                                      tp.decode_context_tokens or 0.0, tp.decode_ms_per_context_token or 0.0)
         initial = {n.id: n.k * n.dc[1] / 1000.0 for n in self.nodes.values()}
         self.router, self.swarm = make_router(
             config.router, base, seed=config.seed, queue_len=lambda n: len(self.nodes[n].queue) + len(self.nodes[n].batch),
@@ -142,9 +155,9 @@ class Simulation:
         self.finished = 0
         self.preemptions = 0
         self.preempted: deque[SimRequest] = deque()  # victims wait here until a finished request frees KV
-        # nodes sharing a host's cores (host_cores): host -> [iterations running, nodes waiting]
+        # nodes sharing a host's cores (host_cores): host -> its running iterations (processor sharing)
         self.host_of = {nid: _host(cluster.node(nid).address) or nid for nid in self.nodes}
-        self.hosts: dict[str, tuple[list[int], deque[SimNode]]] = {h: ([0], deque()) for h in self.host_of.values()}
+        self.hosts: dict[str, _Host] = {h: _Host() for h in self.host_of.values()}
         self.inflight_samples: list[int] = []  # requests in flight at every KV report in the window
         self.buckets = [0] * (int(math.ceil(t1 / config.bucket_s)) + 2)
         self.cap_inflight = config.max_inflight  # None: the KV feeder admits
@@ -226,12 +239,6 @@ class Simulation:
 
     def _try_start(self, n: SimNode) -> None:
         cores = self.cfg.host_cores
-        if cores is not None and n.queue and not n.busy:
-            running, waiting = self.hosts[self.host_of[n.id]]
-            if running[0] >= cores:  # every core of the host is busy: wait for one
-                if n not in waiting:
-                    waiting.append(n)
-                return
         while n.queue and not n.busy:
             batch: list[SimRequest] = []
             rest: list[SimRequest] = []
@@ -265,7 +272,7 @@ class Simulation:
                 r.kv[n.id] = r.kv.get(n.id, 0.0) + need
                 acc = by_start.get(ls)
                 if acc is None:
-                    acc = by_start[ls] = [0, 0]
+                    acc = by_start[ls] = [0, 0, 0]
                 if r.prefill:
                     r.pdone += todo
                     ptoks += todo
@@ -273,6 +280,7 @@ class Simulation:
                 else:
                     dcount += 1
                     acc[1] += 1
+                    acc[2] += r.prompt + r.generated  # the context it attends over
                 batch.append(r)
             if not batch:
                 self._preempt(n)
@@ -281,32 +289,21 @@ class Simulation:
             n.kv_used = used
             if used > n.kv_peak:
                 n.kv_peak = used
-            pf, dc = n.pf, n.dc
-            if len(by_start) == 1:
-                ms = n.k * 0 + (n.end - next(iter(by_start))) * (pf[min(ptoks, len(pf) - 1)] + dc[min(dcount, len(dc) - 1)])
-            else:
-                ms = 0.0
-                p_cum = d_cum = 0
-                starts = sorted(by_start)
-                for i, s in enumerate(starts):
-                    p_cum += by_start[s][0]
-                    d_cum += by_start[s][1]
-                    seg = (starts[i + 1] if i + 1 < len(starts) else n.end) - s
-                    ms += seg * (pf[min(p_cum, len(pf) - 1)] + dc[min(d_cum, len(dc) - 1)])
-            if n.step is not None:
-                ms += n.step[min(ptoks + dcount, len(n.step) - 1)]
-            if n.head is not None:
-                ms += n.head[min(len(batch), len(n.head) - 1)]
-            dur = (ms + self.cfg.iteration_overhead_ms) / 1000.0
+            dur = (n.iteration_ms(by_start, len(batch)) + self.cfg.iteration_overhead_ms) / 1000.0
             n.busy = True
             n.batch = batch
             n.t_start = self.now
             n.iters += 1
             if self.now >= self.window[0]:
                 n.busy_s += min(dur, max(0.0, self.window[1] - self.now))
-            self._push(self.now + dur, _NODE_DONE, n)
-            if cores is not None:
-                self.hosts[self.host_of[n.id]][0][0] += 1
+            if cores is None:
+                self._push(self.now + dur, _NODE_DONE, n, n.version)
+            else:
+                host = self.hosts[self.host_of[n.id]]
+                self._advance(host)
+                n.remaining = dur
+                host.running.append(n)
+                self._reschedule(host)
 
     def _preempt(self, n: SimNode) -> None:
         """Nothing on ``n`` fits its KV: free the latest-admitted waiting request everywhere."""
@@ -333,10 +330,28 @@ class Simulation:
                 self._push(self.now, _ARRIVE, nid, [])
         r.kv = {}
 
+    def _advance(self, host: _Host) -> None:
+        """Credit the host's running iterations with the work done since its last change."""
+        if host.running:
+            done = (self.now - host.since) * min(1.0, (self.cfg.host_cores or 1) / len(host.running))
+            for m in host.running:
+                m.remaining -= done
+        host.since = self.now
+
+    def _reschedule(self, host: _Host) -> None:
+        """The running iterations' finish times at the host's new share (older events go stale)."""
+        rate = min(1.0, (self.cfg.host_cores or 1) / len(host.running)) if host.running else 1.0
+        for m in host.running:
+            m.version += 1
+            self._push(self.now + max(0.0, m.remaining) / rate, _NODE_DONE, m, m.version)
+
     def _node_done(self, n: SimNode) -> None:
         n.busy = False
         if self.cfg.host_cores is not None:
-            self.hosts[self.host_of[n.id]][0][0] -= 1
+            host = self.hosts[self.host_of[n.id]]
+            self._advance(host)
+            host.running.remove(n)
+            self._reschedule(host)
         batch, n.batch = n.batch, []
         groups: dict[str, list[SimRequest]] = {}
         swarm = self.swarm
@@ -361,10 +376,6 @@ class Simulation:
             else:
                 nbytes = sum(r.ctx if r.prefill else 1 for r in reqs) * self.act_bytes
             self._send(n.id, dst, nbytes, reqs)
-        if self.cfg.host_cores is not None:  # a core is free: the host's waiting nodes first, in order
-            running, waiting = self.hosts[self.host_of[n.id]]
-            while waiting and running[0] < self.cfg.host_cores:
-                self._try_start(waiting.popleft())
         self._try_start(n)
 
     # -- coordinator --------------------------------------------------------------------------
@@ -445,6 +456,7 @@ class Simulation:
         nodes = self.nodes
         events = 0
         drain = cfg.num_requests is not None
+        gather = cfg.gather_window_ms / 1000.0
         next_tick = 1.0
         while heap:
             t, _, kind, a, b = pop(heap)
@@ -458,11 +470,19 @@ class Simulation:
                 n = nodes[a]
                 for r in b:
                     r.t_enq = t
+                idle = not n.queue and not n.busy and not n.waking
                 n.queue.extend(b)
-                if not n.busy:
+                if idle and gather > 0:  # an idle agent waits for the rest of a burst (AgentConfig.gather_window_s)
+                    n.waking = True
+                    self._push(t + gather, _WAKE, n)
+                elif not n.busy and not n.waking:
                     self._try_start(n)
+            elif kind == _WAKE:
+                a.waking = False
+                self._try_start(a)
             elif kind == _NODE_DONE:
-                self._node_done(a)
+                if b == a.version:  # else superseded: the host's share changed since it was scheduled
+                    self._node_done(a)
             elif kind == _NEW:
                 if a is not None:
                     self.waiting.append(self._new_request(a))

@@ -32,6 +32,7 @@ class SimConfig:
     iteration_overhead_ms: float = 0.0
     host_cores: int | None = None  # nodes on one host (address) run at most this many iterations at once
     prefill_chunk_tokens: int | None = None  # Sarathi: one prefill chunk of at most this many tokens per iteration
+    gather_window_ms: float = 0.0  # an idle node woken by an arrival starts this much later (helix agent: 3 ms)
     bucket_s: float = 10.0
 
 

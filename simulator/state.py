@@ -33,14 +33,17 @@ class SimNode:
     """One placed node: its layers, latency tables, KV, queue and the iteration it runs."""
 
     __slots__ = ("id", "start", "end", "k", "cap", "pf", "dc", "pmax", "dmax", "queue", "busy", "kv_used",
-                 "kv_peak", "busy_s", "batch", "iters", "t_start", "step", "head")
+                 "kv_peak", "busy_s", "batch", "iters", "t_start", "step", "head", "waking", "version", "remaining",
+                 "ctx_ref", "ctx_ms")
 
     def __init__(self, nid: str, start: int, end: int, cap: float, pf: list[float], dc: list[float],
-                 pmax: int, dmax: int, step: list[float] | None = None, head: list[float] | None = None) -> None:
+                 pmax: int, dmax: int, step: list[float] | None = None, head: list[float] | None = None,
+                 ctx_ref: float = 0.0, ctx_ms: float = 0.0) -> None:
         self.id, self.start, self.end, self.k = nid, start, end, end - start
         self.cap, self.pf, self.dc, self.pmax, self.dmax = cap, pf, dc, pmax, dmax
         self.step = step  # ms per iteration by batch tokens (prompt tokens + decodes), every stage
         self.head = head  # ms per iteration by sequences sampled; only on the stage with the last layer
+        self.ctx_ref, self.ctx_ms = ctx_ref, ctx_ms  # decode: ms per layer, request and context token beyond ctx_ref
         self.queue: list[SimRequest] = []
         self.busy = False
         self.kv_used = 0.0
@@ -49,6 +52,37 @@ class SimNode:
         self.batch: list[SimRequest] = []
         self.iters = 0
         self.t_start = 0.0
+        self.waking = False  # idle, woken by an arrival, gathering the rest of the burst (gather_window_ms)
+        self.version = 0  # of the scheduled end of the running iteration (a shared host reschedules it)
+        self.remaining = 0.0  # seconds of work the running iteration has left (shared hosts)
+
+    def iteration_ms(self, by_start: dict[int, list[int]] | dict[int, tuple[int, int, int]], sampled: int) -> float:
+        """What one iteration costs here: ``by_start`` maps the first layer requests entered at to
+        their (prefill tokens, decoding requests, those requests' context tokens); a layer runs the
+        tokens of every request that entered at or before it. Plus the per-step cost by batch
+        tokens, and the head by the ``sampled`` sequences on the stage holding the last layer."""
+        pf, dc, ctx_ref, ctx_ms = self.pf, self.dc, self.ctx_ref, self.ctx_ms
+        p_top, d_top = len(pf) - 1, len(dc) - 1
+        if len(by_start) == 1:
+            start, (ptoks, dcount, ctx) = next(iter(by_start.items()))
+            layer = pf[min(ptoks, p_top)] + dc[min(dcount, d_top)] + ctx_ms * (ctx - dcount * ctx_ref)
+            ms = (self.end - start) * max(0.0, layer)
+        else:
+            ms = 0.0
+            ptoks = dcount = ctx = 0
+            starts = sorted(by_start)
+            for i, s in enumerate(starts):
+                ptoks += by_start[s][0]
+                dcount += by_start[s][1]
+                ctx += by_start[s][2]
+                seg = (starts[i + 1] if i + 1 < len(starts) else self.end) - s
+                layer = pf[min(ptoks, p_top)] + dc[min(dcount, d_top)] + ctx_ms * (ctx - dcount * ctx_ref)
+                ms += seg * max(0.0, layer)
+        if self.step is not None:
+            ms += self.step[min(ptoks + dcount, len(self.step) - 1)]
+        if self.head is not None:
+            ms += self.head[min(sampled, len(self.head) - 1)]
+        return ms
 
 
 def latency_table(curve: list[tuple[float, float]], n: int, *, proportional_low: bool = True) -> list[float]:

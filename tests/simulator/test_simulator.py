@@ -217,3 +217,79 @@ def test_chunked_prefill_runs_one_prompt_chunk_per_iteration() -> None:
     assert mean_ttft(256, [20, 20, 20]) == pytest.approx(0.1, abs=1e-4)
     # a prompt longer than the chunk takes several iterations on the node before it moves on
     assert mean_ttft(16, [40]) == pytest.approx(2 * (0.032 + 0.01) + 0.016 + 0.01, abs=1e-4)
+
+
+def _tiny(nodes: int, *, address: bool = False, **tp_extra):
+    """A 6-layer model on ``nodes`` identical nodes: 1 ms per layer per decode step (any batch),
+    prefill 0.01 ms per token per layer; no link costs."""
+    from helix.profile import GpuProfile, ModelProfile, ProfileSet, ThroughputProfile
+    from helix.spec import ClusterSpec
+
+    model = ModelProfile(num_layers=6, hidden_size=8, layer_weight_bytes=1.0, kv_bytes_per_token_per_layer=1.0)
+    tp = ThroughputProfile(max_layers=6, prefill_ms_per_layer=[(0, 0), (100, 1.0)],
+                           decode_ms_per_layer=[(0, 0), (1, 1.0), (8, 1.0)], kv_capacity_tokens_by_layers=[1e7] * 6,
+                           **tp_extra)  # fmt: skip
+    profiles = ProfileSet(models={"m": model}, gpus={"g": GpuProfile(vram_gb=1, throughput={"m": tp})})
+    cluster = ClusterSpec.model_validate({
+        "name": "t", "model": "m", "profiles": "p.yaml", "coordinator": {"id": "c"},
+        "nodes": [{"id": f"n{i}", "gpu": "g", **({"address": f"tcp://127.0.0.1:{5551 + i}"} if address else {})}
+                  for i in range(nodes)],
+        "defaults": {"intra_region": {"bandwidth_gbps": 1000, "latency_ms": 0.0}}})
+    return cluster, profiles
+
+
+def test_a_shared_core_is_shared_not_taken_in_turns() -> None:
+    from helix.plan import Plan
+    from simulator.workload import RequestSpec
+
+    cluster, profiles = _tiny(2, address=True)
+    plan = Plan(cluster="t", model="m", method="given", placement={"n0": (0, 6), "n1": (0, 6)}, max_flow_tok_s=1.0)
+    trace = [RequestSpec(0.0, 10, 20) for _ in range(2)]  # one per node (IWRR alternates)
+
+    def run(cores: int | None):
+        cfg = SimConfig(mode="online", trace=trace, num_requests=2, warmup_s=0.0, duration_s=1e6, host_cores=cores)
+        return simulate(cluster, profiles, plan, cfg)
+
+    alone, shared = run(None), run(1)
+    # processor sharing: both iterations run at once at half speed, so both requests take twice
+    # as long and finish together (taking turns, one would finish well before the other)
+    assert shared.sim_end_s == pytest.approx(2 * alone.sim_end_s)
+    assert shared.prompt_latency_s["p99"] == pytest.approx(shared.prompt_latency_s["p50"])
+    assert shared.node_utilization["n0"] == pytest.approx(alone.node_utilization["n0"] / 2)  # same work, twice the span
+
+
+def test_an_idle_node_gathers_a_burst_before_it_starts() -> None:
+    from helix.plan import Plan
+    from simulator.workload import RequestSpec
+
+    cluster, profiles = _tiny(3)
+    plan = Plan(cluster="t", model="m", method="given", placement={"n0": (0, 2), "n1": (2, 4), "n2": (4, 6)},
+                max_flow_tok_s=1.0)
+    trace = [RequestSpec(0.0, 10, 5)]
+
+    def run(gather_ms: float):
+        cfg = SimConfig(mode="online", trace=trace, num_requests=1, warmup_s=0.0, duration_s=1e6,
+                        gather_window_ms=gather_ms)  # fmt: skip
+        return simulate(cluster, profiles, plan, cfg)
+
+    # one request alone: every hop finds its node idle, so each of its 5 iterations x 3 stages waits 2 ms
+    assert run(2.0).sim_end_s == pytest.approx(run(0.0).sim_end_s + 5 * 3 * 0.002)
+
+
+def test_decode_pays_for_context_beyond_the_profiled_one() -> None:
+    from helix.plan import Plan
+    from simulator.workload import RequestSpec
+
+    plan = Plan(cluster="t", model="m", method="given", placement={"n0": (0, 6)}, max_flow_tok_s=1.0)
+
+    def decode_gap(prompt: int, **extra) -> float:
+        cluster, profiles = _tiny(1, **extra)
+        cfg = SimConfig(mode="online", trace=[RequestSpec(0.0, prompt, 2)], num_requests=1, warmup_s=0.0,
+                        duration_s=1e6)  # fmt: skip
+        return simulate(cluster, profiles, plan, cfg).decode_latency_s["p50"]
+
+    ctx = dict(decode_context_tokens=100.0, decode_ms_per_context_token=0.01)
+    assert decode_gap(50) == pytest.approx(decode_gap(300)) == pytest.approx(0.006)  # no context cost given
+    # the one decode attends over prompt + 1 tokens: 6 layers x 0.01 ms x (ctx - 100)
+    assert decode_gap(300, **ctx) == pytest.approx(0.006 + 6 * 0.01 * (301 - 100) / 1000)
+    assert decode_gap(50, **ctx) == pytest.approx(0.006 + 6 * 0.01 * (51 - 100) / 1000)
