@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import secrets
 import shutil
@@ -46,18 +47,31 @@ sys.path.insert(0, str(ROOT))  # the packages, not bench/planner.py or bench/rou
 from helix.plan import Plan  # noqa: E402
 from helix.profile import load_profiles_for  # noqa: E402
 from helix.spec import load_cluster  # noqa: E402
+from node_agent.agent import AgentConfig  # noqa: E402
 from node_agent.scheduler import SchedulerConfig  # noqa: E402
+from node_agent.step_log import read_step_log  # noqa: E402
 from planner.api import evaluate_plan, make_plan  # noqa: E402
 from profiler.cluster_profile import profile_cluster  # noqa: E402
 from router.launch import AgentProcesses, process_cpu_seconds  # noqa: E402
 from router.serving import ServeOptions, build_coordinator, create_server_app, make_server  # noqa: E402
-from simulator.engine import SimConfig, simulate  # noqa: E402
+from simulator.engine import SimConfig, Simulation, simulate  # noqa: E402
 from simulator.workload import RequestSpec  # noqa: E402
 
 DEMO = ROOT / "clusters" / "demo"
 SENTENCE = "The quick brown fox jumps over the lazy dog while the cluster serves many requests. "
 TOLERANCE = 0.15
 COORDINATOR_ROW = "coordinator + load generator"
+
+
+def host_cpu_seconds() -> dict[str, float]:
+    """This host's CPU seconds since boot by state (all cores, all processes; /proc/stat)."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]
+    except OSError:
+        return {}
+    tick = os.sysconf("SC_CLK_TCK")
+    names = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+    return {name: int(v) / tick for name, v in zip(names, fields, strict=True)}
 
 
 def prepare(workdir: Path, console: Console, force: bool) -> tuple[Path, float]:
@@ -132,11 +146,12 @@ async def _fire(base_url: str, model: str, texts: list[str], max_tokens: int,
 
 
 def run_real(cluster_path: Path, cluster: Any, profiles: Any, plan: Any, texts: list[str], max_tokens: int,
-             workdir: Path, console: Console) -> tuple[list[dict[str, Any]], dict[str, float]]:  # fmt: skip
-    """The requests' usage and done times, and the CPU seconds each agent process and this one
-    (coordinator + HTTP load generator) used while they ran."""
+             workdir: Path, console: Console) -> tuple[list[dict[str, Any]], dict[str, float], float]:  # fmt: skip
+    """The requests' usage and done times, the CPU seconds each agent process and this one
+    (coordinator + HTTP load generator) used while they ran, and when they started (monotonic)."""
     secret = secrets.token_hex(16)
-    agents = AgentProcesses(cluster_path.resolve(), cluster_path.parent / "plan.json", workdir, secret=secret)
+    agents = AgentProcesses(cluster_path.resolve(), cluster_path.parent / "plan.json", workdir, secret=secret,
+                            extra_args=("--step-log", str(workdir / "steps-{node}.jsonl")))
     try:
         agents.start(plan.placement)
         addresses = agents.wait_ready()
@@ -148,7 +163,9 @@ def run_real(cluster_path: Path, cluster: Any, profiles: Any, plan: Any, texts: 
         before: dict[str, float] = {}
 
         def snapshot() -> dict[str, float]:
-            return {**{n: process_cpu_seconds(pid) for n, pid in pids.items()}, COORDINATOR_ROW: time.process_time()}
+            host = {f"host {k}": v for k, v in host_cpu_seconds().items()}
+            return {**{n: process_cpu_seconds(pid) for n, pid in pids.items()}, COORDINATOR_ROW: time.process_time(),
+                    **host, "t": time.monotonic()}
 
         async def main() -> tuple[list[dict[str, Any]], dict[str, float]]:
             serving = asyncio.create_task(server.serve())
@@ -168,9 +185,32 @@ def run_real(cluster_path: Path, cluster: Any, profiles: Any, plan: Any, texts: 
                 await serving
             return results, {k: after[k] - before[k] for k in after}
 
-        return asyncio.run(main())
+        results, used = asyncio.run(main())
+        return results, used, before["t"]
     finally:
         agents.stop()
+
+
+def step_table(cluster: Any, profiles: Any, plan: Any, workdir: Path, since: float) -> Table:
+    """Every engine step the agents logged during the run, priced by the profile the way the
+    simulator prices an iteration: is the profile off, or did the real schedule differ?"""
+    pricer = Simulation(cluster, profiles, plan, SimConfig(mode="online", num_requests=1))
+    table = Table(title="engine steps during the run (agents' --step-log) vs the profile's price for the same steps")
+    for col in ("node", "steps", "real step CPU s", "profile's price s", "real / price", "step wall s"):
+        table.add_column(col, justify="right")
+    for node in plan.placement:
+        path = workdir / f"steps-{node}.jsonl"
+        steps = [r for r in read_step_log(path) if r["t"] >= since] if path.exists() else []
+        if not steps:
+            table.add_row(node, "0", "-", "-", "-", "-")
+            continue
+        sim_node = pricer.nodes[node]
+        price = sum(sim_node.iteration_ms(r["by_start"], sum(d + (p > 0) for p, d, _ in r["by_start"].values()))
+                    for r in steps) / 1000  # fmt: skip
+        cpu = sum(r["cpu_ms"] for r in steps) / 1000
+        wall = sum(r["wall_ms"] for r in steps) / 1000
+        table.add_row(node, str(len(steps)), f"{cpu:.2f}", f"{price:.2f}", f"{cpu / price:.2f}", f"{wall:.2f}")
+    return table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     cluster_path, profile_s = prepare(workdir, console, args.force)
     cluster, profiles, plan = plan_cluster(cluster_path, args.method, console, args.placement)
     texts = prompts(args.requests)
-    real, cpu_used = run_real(cluster_path, cluster, profiles, plan, texts, args.max_tokens, workdir, console)
+    real, cpu_used, t_start = run_real(cluster_path, cluster, profiles, plan, texts, args.max_tokens, workdir, console)
+    (workdir / "real-run.json").write_text(json.dumps(real))
     makespan = max(r["done_s"] for r in real)
     decode_tokens = sum(r["completion_tokens"] - 1 for r in real)
     measured = decode_tokens / makespan
@@ -195,11 +236,13 @@ def main(argv: list[str] | None = None) -> int:
     cores = os.cpu_count() or 1
 
     chunk = SchedulerConfig().chunk_size  # what `helix agent` runs: one prefill chunk per step
+    gather_ms = AgentConfig("").gather_window_s * 1000  # and an idle agent waits for the rest of a burst
 
     def sim_with(host_cores: int | None, chunk_tokens: int | None) -> Any:
         return simulate(cluster, profiles, plan, SimConfig(mode="online", router="iwrr", trace=trace, num_requests=len(trace),
                                                            warmup_s=0.0, duration_s=1e6, host_cores=host_cores,
-                                                           prefill_chunk_tokens=chunk_tokens))  # fmt: skip
+                                                           prefill_chunk_tokens=chunk_tokens,
+                                                           gather_window_ms=gather_ms if chunk_tokens else 0.0))  # fmt: skip
 
     # the simulator's default (every node its own device, whole prompts per iteration), and the
     # cluster as it runs here: the agents share this host's cores and prefill one chunk per step
@@ -219,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     work = Table(title="where the CPU went during the run: real process CPU vs simulated busy time (as served)")
     for col in ("process", "layers", "real CPU s", "simulated busy s", "real / simulated"):
         work.add_column(col, justify="right")
+    host = {k.removeprefix("host "): cpu_used.pop(k) for k in list(cpu_used) if k.startswith("host ")}
+    del cpu_used["t"]
     for node, used in cpu_used.items():
         busy = served.node_utilization.get(node, 0.0) * served.sim_end_s if node in plan.placement else None
         layers = f"[{plan.placement[node][0]}, {plan.placement[node][1]})" if node in plan.placement else "-"
@@ -228,8 +273,10 @@ def main(argv: list[str] | None = None) -> int:
     work.add_row("all", "", f"{sum(cpu_used.values()):.2f}", f"{total_busy:.2f}",
                  f"{sum(cpu_used.values()) / total_busy:.2f}" if total_busy else "-")
     work.caption = (f"{cores} cores x makespan = {cores * makespan:.2f} core-s real, "
-                    f"{cores * served.sim_end_s:.2f} simulated")
+                    f"{cores * served.sim_end_s:.2f} simulated; the host meanwhile (/proc/stat, all processes): "
+                    + ", ".join(f"{k} {v:.2f}" for k, v in host.items() if v >= 0.005))
     console.print(work)
+    console.print(step_table(cluster, profiles, plan, workdir, since=t_start))
     error = abs(served.decode_tok_s / measured - 1)
     verdict = "[green]within[/]" if error <= TOLERANCE else "[red]outside[/]"
     console.print(f"profiling took {profile_s:.1f} s; simulated decode throughput as served here ({cores} shared "
