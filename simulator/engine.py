@@ -8,7 +8,8 @@ Model (documented with its calibration in ``docs/simulator.md``):
   :class:`router.policy.Router` for ``iwrr``), sends every iteration's input to the first
   stage and receives the sampled token from the last; after each token it applies the stop
   condition (the request's output length) and sends the next decode step down the *same*
-  pipeline. Offline mode keeps the cluster saturated like the paper's feeder, the same for
+  pipeline (a node holding the whole model for a request feeds the token to its own next
+  iteration instead, as the agent does). Offline mode keeps the cluster saturated like the paper's feeder, the same for
   every router: it starts with ``offline_initial`` requests and, whenever a prompt or a
   request finishes, admits one more while the coordinator's KV estimate
   (:class:`router.kv.KVEstimator`, which holds every admitted request's reservation whatever
@@ -359,11 +360,15 @@ class Simulation:
         if unfinished:
             n.queue[:0] = unfinished
             batch = [r for r in batch if not (r.prefill and r.pdone < r.ctx)]
+        looped: list[SimRequest] = []
         for r in batch:
             r.pdone = 0
             if swarm is not None:
                 swarm.observe(n.id, self.now - r.t_enq)
             r.stage += 1
+            if len(r.stages) == 1:  # this node holds the whole model for it: the token loops back here
+                looped.append(r)
+                continue
             dst = self.coord if r.stage == len(r.stages) else r.stages[r.stage].node
             g = groups.get(dst)
             if g is None:
@@ -376,11 +381,20 @@ class Simulation:
             else:
                 nbytes = sum(r.ctx if r.prefill else 1 for r in reqs) * self.act_bytes
             self._send(n.id, dst, nbytes, reqs)
+        if looped:
+            self._tokens(looped, loop_back=n)
         self._try_start(n)
 
     # -- coordinator --------------------------------------------------------------------------
 
     def _coord(self, reqs: list[SimRequest]) -> None:
+        self._tokens(reqs)
+
+    def _tokens(self, reqs: list[SimRequest], loop_back: SimNode | None = None) -> None:
+        """Tokens the coordinator receives: stop condition, metrics, then each unfinished
+        request's next decode goes to its first stage — or, ``loop_back``, straight back into the
+        queue of the node that holds the whole model for it (the agent feeds its sampled token to
+        its own next step; the coordinator only hears of it)."""
         now = self.now
         t0, t1 = self.window
         in_window = t0 <= now < t1
@@ -414,6 +428,10 @@ class Simulation:
                     self.waiting.appendleft(self.preempted.pop())
                 continue
             r.stage = 0
+            if loop_back is not None:
+                r.t_enq = now
+                loop_back.queue.append(r)
+                continue
             dst = r.stages[0].node
             g = groups.get(dst)
             if g is None:

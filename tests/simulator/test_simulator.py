@@ -293,3 +293,30 @@ def test_decode_pays_for_context_beyond_the_profiled_one() -> None:
     # the one decode attends over prompt + 1 tokens: 6 layers x 0.01 ms x (ctx - 100)
     assert decode_gap(300, **ctx) == pytest.approx(0.006 + 6 * 0.01 * (301 - 100) / 1000)
     assert decode_gap(50, **ctx) == pytest.approx(0.006 + 6 * 0.01 * (51 - 100) / 1000)
+
+
+def test_a_node_holding_the_whole_model_feeds_its_token_back_itself() -> None:
+    """As the agent does (engine loop-back): no coordinator round trip between its decode steps."""
+    from helix.plan import Plan
+    from helix.profile import GpuProfile, ModelProfile, ProfileSet, ThroughputProfile
+    from helix.spec import ClusterSpec
+    from simulator.workload import RequestSpec
+
+    model = ModelProfile(num_layers=6, hidden_size=8, layer_weight_bytes=1.0, kv_bytes_per_token_per_layer=1.0)
+    tp = ThroughputProfile(max_layers=6, prefill_ms_per_layer=[(0, 0), (100, 1.0)],
+                           decode_ms_per_layer=[(0, 0), (1, 1.0), (8, 1.0)], kv_capacity_tokens_by_layers=[1e7] * 6)
+    profiles = ProfileSet(models={"m": model}, gpus={"g": GpuProfile(vram_gb=1, throughput={"m": tp})})
+    cluster = ClusterSpec.model_validate({
+        "name": "t", "model": "m", "profiles": "p.yaml", "coordinator": {"id": "c"},
+        "nodes": [{"id": f"n{i}", "gpu": "g"} for i in range(2)],
+        "defaults": {"intra_region": {"bandwidth_gbps": 1000, "latency_ms": 10.0}}})
+    trace = [RequestSpec(0.0, 10, 4)]
+
+    def decode_gap(placement: dict[str, tuple[int, int]]) -> float:
+        plan = Plan(cluster="t", model="m", method="given", placement=placement, max_flow_tok_s=1.0)
+        cfg = SimConfig(mode="online", trace=trace, num_requests=1, warmup_s=0.0, duration_s=1e6)
+        return simulate(cluster, profiles, plan, cfg).decode_latency_s["p50"]
+
+    assert decode_gap({"n0": (0, 6)}) == pytest.approx(0.006)  # 6 layers x 1 ms, nothing else
+    # two stages: 3 + 3 layers and three 10 ms hops (coordinator -> n0 -> n1 -> coordinator) per token
+    assert decode_gap({"n0": (0, 3), "n1": (3, 6)}) == pytest.approx(0.006 + 0.030)
