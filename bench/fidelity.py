@@ -146,12 +146,13 @@ async def _fire(base_url: str, model: str, texts: list[str], max_tokens: int,
 
 
 def run_real(cluster_path: Path, cluster: Any, profiles: Any, plan: Any, texts: list[str], max_tokens: int,
-             workdir: Path, console: Console) -> tuple[list[dict[str, Any]], dict[str, float], float]:  # fmt: skip
+             workdir: Path, console: Console,
+             agent_args: tuple[str, ...] = ()) -> tuple[list[dict[str, Any]], dict[str, float], float]:  # fmt: skip
     """The requests' usage and done times, the CPU seconds each agent process and this one
     (coordinator + HTTP load generator) used while they ran, and when they started (monotonic)."""
     secret = secrets.token_hex(16)
     agents = AgentProcesses(cluster_path.resolve(), cluster_path.parent / "plan.json", workdir, secret=secret,
-                            extra_args=("--step-log", str(workdir / "steps-{node}.jsonl")))
+                            extra_args=("--step-log", str(workdir / "steps-{node}.jsonl"), *agent_args))
     try:
         agents.start(plan.placement)
         addresses = agents.wait_ready()
@@ -220,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--method", default="helix")
     ap.add_argument("--placement", metavar="NODE=S:E,...", help="serve this placement instead of planning one")
     ap.add_argument("--force", action="store_true", help="re-measure even if the profile cache is warm")
+    ap.add_argument("--gather-window-ms", type=float, default=AgentConfig("").gather_window_s * 1000,
+                    help="the agents' gather window (helix agent --gather-window-ms), simulated as served")
     ap.add_argument("--workdir", help="scratch directory (default: a fresh temporary one)")
     args = ap.parse_args(argv)
     console = Console(highlight=False)
@@ -227,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     cluster_path, profile_s = prepare(workdir, console, args.force)
     cluster, profiles, plan = plan_cluster(cluster_path, args.method, console, args.placement)
     texts = prompts(args.requests)
-    real, cpu_used, t_start = run_real(cluster_path, cluster, profiles, plan, texts, args.max_tokens, workdir, console)
+    real, cpu_used, t_start = run_real(cluster_path, cluster, profiles, plan, texts, args.max_tokens, workdir, console,
+                                       agent_args=("--gather-window-ms", str(args.gather_window_ms)))
     (workdir / "real-run.json").write_text(json.dumps(real))
     makespan = max(r["done_s"] for r in real)
     decode_tokens = sum(r["completion_tokens"] - 1 for r in real)
@@ -236,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     cores = os.cpu_count() or 1
 
     chunk = SchedulerConfig().chunk_size  # what `helix agent` runs: one prefill chunk per step
-    gather_ms = AgentConfig("").gather_window_s * 1000  # and an idle agent waits for the rest of a burst
+    gather_ms = args.gather_window_ms  # and an idle agent waits for the rest of a burst
 
     def sim_with(host_cores: int | None, chunk_tokens: int | None) -> Any:
         return simulate(cluster, profiles, plan, SimConfig(mode="online", router="iwrr", trace=trace, num_requests=len(trace),

@@ -38,6 +38,9 @@ def add_agent_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wire-dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--max-frame-bytes", type=int, default=64 << 20, help="largest wire frame accepted")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1 when several agents share a host)")
+    p.add_argument("--gather-window-ms", type=float,
+                   help="an idle engine woken by an arrival waits this long for the rest of the burst "
+                        "(default: AgentConfig's, 3 ms; 0: never)")
     p.add_argument("--step-log", metavar="FILE",
                    help="write one JSON line per engine step (time, CPU, batch by layer) to FILE; {node} is replaced")
 
@@ -66,6 +69,8 @@ def run_agent(args: argparse.Namespace) -> int:
             raise ConfigError(f"binding {control} beyond loopback needs a shared secret in ${args.secret_env}",
                               field="--secret-env")
         log.warning("no shared secret in $%s: accepting coordinators on loopback only", args.secret_env)
+    if args.gather_window_ms is not None and args.gather_window_ms < 0:
+        raise ConfigError(f"must be 0 or more, got {args.gather_window_ms}", field="--gather-window-ms")
     if args.model_dir is not None and not Path(args.model_dir).is_dir():
         raise EngineError(f"{args.model_dir}: model directory not found (--model-dir)")
     return serve_agent(node_id=args.node, layer_start=start, layer_end=end, model_dir=args.model_dir,
@@ -73,13 +78,15 @@ def run_agent(args: argparse.Namespace) -> int:
                        kv_capacity_tokens=args.kv_capacity_tokens, max_batch_size=args.max_batch_size,
                        token_budget=args.token_budget, chunk_size=args.chunk_size or None,
                        wire_dtype=args.wire_dtype, threads=args.threads, max_frame_bytes=args.max_frame_bytes,
-                       step_log=args.step_log.replace("{node}", args.node) if args.step_log else None)  # fmt: skip
+                       step_log=args.step_log.replace("{node}", args.node) if args.step_log else None,
+                       gather_window_ms=args.gather_window_ms)  # fmt: skip
 
 
 def serve_agent(*, node_id: str, layer_start: int, layer_end: int, model_dir: str | None, control_bind: str,
                 data_bind: str, secret: bytes, kv_capacity_tokens: int = 65536, max_batch_size: int = 32,
                 token_budget: int = 512, chunk_size: int | None = 256, wire_dtype: str = "float32",
-                threads: int = 1, max_frame_bytes: int = 64 << 20, step_log: str | None = None) -> int:
+                threads: int = 1, max_frame_bytes: int = 64 << 20, step_log: str | None = None,
+                gather_window_ms: float | None = None) -> int:
     """Load the stage, bind, print READY, serve until SIGTERM/SIGINT."""
     import torch
 
@@ -93,9 +100,10 @@ def serve_agent(*, node_id: str, layer_start: int, layer_end: int, model_dir: st
     engine = StageEngine(model_dir, layer_start, layer_end, kv_capacity_tokens=kv_capacity_tokens,
                          scheduler=SchedulerConfig(max_batch_size=max_batch_size, token_budget=token_budget,
                                                    chunk_size=chunk_size))  # fmt: skip
+    gather = {} if gather_window_ms is None else {"gather_window_s": gather_window_ms / 1000}
     config = AgentConfig(node_id=node_id, control_bind=control_bind, data_bind=data_bind, secret=secret,
                          wire_dtype=wire_dtype, max_frame_bytes=max_frame_bytes, torch_threads=threads,
-                         step_log=step_log)
+                         step_log=step_log, **gather)
     agent = NodeAgent(config, engine)
     agent.install_signals()
     print(f"READY node={node_id} layers={layer_start}:{layer_end} control={agent.control_address} "
