@@ -268,6 +268,9 @@ def test_missing_weights_dir_is_reported_by_name(tmp_path: Path, smollm2_dir: Pa
     (empty / "config.json").write_text((smollm2_dir / "config.json").read_text())
     assert main([*base, "--model-dir", str(empty)]) == 5
     assert "no *.safetensors weights file" in capsys.readouterr().err.replace("\n", "")
+    assert main([*base, "--gather-window-ms", "-1"]) != 0
+    err = capsys.readouterr().err.replace("\n", "")
+    assert "--gather-window-ms" in err and "0 or more" in err
 
 
 @pytest.fixture
