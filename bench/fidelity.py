@@ -1,6 +1,6 @@
 """Fidelity of the whole chain on the 3-agent loopback demo: profile, plan, simulate, run for real.
 
-``python bench/fidelity.py`` (a few minutes on 2 shared cores):
+``python bench/fidelity.py`` (about 2 minutes per round on 2 shared cores):
 
 1. copies ``clusters/demo`` to a scratch directory and profiles it with ``helix profile``'s
    machinery (the real engine, ``--concurrent``: the three co-located nodes are measured
@@ -15,9 +15,15 @@
    host's cores (``SimConfig.host_cores``) and prefill one chunk per step as ``helix agent``
    does (``SimConfig.prefill_chunk_tokens``);
 5. prints decode throughput (tokens after each request's first / makespan, the simulator's
-   definition) measured vs simulated, whether the as-served simulation agrees within 15%, and
-   where the CPU went: each agent process's real CPU seconds beside its node's simulated busy
-   time (and the coordinator + load generator's CPU, which the simulator does not model).
+   definition) measured vs simulated, and where the CPU went: each agent process's real CPU
+   seconds beside its node's simulated busy time (and the coordinator + load generator's CPU,
+   which the simulator does not model), the host's CPU states, and every engine step the
+   agents logged (``helix agent --step-log``) priced by the profile.
+
+``--rounds`` (default 3) repeats 1-5 back to back, each round with a fresh profile, so a
+profile is never judged against a real run made at another time of the box's day (its speed
+drifts by 10-30 % over an hour here); the verdict is on the median ratio, and how many rounds
+land within 15 % is printed beside it.
 
 Nothing here is a test: the numbers depend on the machine and on whatever else runs on it.
 """
@@ -34,6 +40,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -192,13 +199,15 @@ def run_real(cluster_path: Path, cluster: Any, profiles: Any, plan: Any, texts: 
         agents.stop()
 
 
-def step_table(cluster: Any, profiles: Any, plan: Any, workdir: Path, since: float) -> Table:
+def step_table(cluster: Any, profiles: Any, plan: Any, workdir: Path, since: float) -> tuple[Table, float]:
     """Every engine step the agents logged during the run, priced by the profile the way the
-    simulator prices an iteration: is the profile off, or did the real schedule differ?"""
+    simulator prices an iteration: is the profile off, or did the real schedule differ? Also
+    the overall real / price."""
     pricer = Simulation(cluster, profiles, plan, SimConfig(mode="online", num_requests=1))
     table = Table(title="engine steps during the run (agents' --step-log) vs the profile's price for the same steps")
     for col in ("node", "steps", "real step CPU s", "profile's price s", "real / price", "step wall s"):
         table.add_column(col, justify="right")
+    totals = [0.0, 0.0]  # real step CPU, price
     for node in plan.placement:
         path = workdir / f"steps-{node}.jsonl"
         steps = [r for r in read_step_log(path) if r["t"] >= since] if path.exists() else []
@@ -211,23 +220,24 @@ def step_table(cluster: Any, profiles: Any, plan: Any, workdir: Path, since: flo
         cpu = sum(r["cpu_ms"] for r in steps) / 1000
         wall = sum(r["wall_ms"] for r in steps) / 1000
         table.add_row(node, str(len(steps)), f"{cpu:.2f}", f"{price:.2f}", f"{cpu / price:.2f}", f"{wall:.2f}")
-    return table
+        totals[0] += cpu
+        totals[1] += price
+    return table, (totals[0] / totals[1] if totals[1] else float("nan"))
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=16)
-    ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--method", default="helix")
-    ap.add_argument("--placement", metavar="NODE=S:E,...", help="serve this placement instead of planning one")
-    ap.add_argument("--force", action="store_true", help="re-measure even if the profile cache is warm")
-    ap.add_argument("--gather-window-ms", type=float, default=AgentConfig("").gather_window_s * 1000,
-                    help="the agents' gather window (helix agent --gather-window-ms), simulated as served")
-    ap.add_argument("--workdir", help="scratch directory (default: a fresh temporary one)")
-    args = ap.parse_args(argv)
-    console = Console(highlight=False)
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="helix-fidelity-"))
-    cluster_path, profile_s = prepare(workdir, console, args.force)
+@dataclass
+class Round:
+    """One profile -> plan -> serve -> simulate round."""
+
+    measured: float  # decode tok/s served for real
+    naive: float  # simulated with the simulator's defaults
+    served: float  # simulated as served here
+    profile_s: float
+    price_ratio: float  # the agents' real step CPU / the profile's price for the same steps
+
+
+def one_round(args: argparse.Namespace, workdir: Path, console: Console, force: bool) -> Round:
+    cluster_path, profile_s = prepare(workdir, console, force)
     cluster, profiles, plan = plan_cluster(cluster_path, args.method, console, args.placement)
     texts = prompts(args.requests)
     real, cpu_used, t_start = run_real(cluster_path, cluster, profiles, plan, texts, args.max_tokens, workdir, console,
@@ -280,12 +290,46 @@ def main(argv: list[str] | None = None) -> int:
                     f"{cores * served.sim_end_s:.2f} simulated; the host meanwhile (/proc/stat, all processes): "
                     + ", ".join(f"{k} {v:.2f}" for k, v in host.items() if v >= 0.005))
     console.print(work)
-    console.print(step_table(cluster, profiles, plan, workdir, since=t_start))
-    error = abs(served.decode_tok_s / measured - 1)
-    verdict = "[green]within[/]" if error <= TOLERANCE else "[red]outside[/]"
-    console.print(f"profiling took {profile_s:.1f} s; simulated decode throughput as served here ({cores} shared "
-                  f"cores, chunked prefill) is {error:.0%} off: {verdict} the {TOLERANCE:.0%} target; with every node "
-                  f"its own device {abs(naive.decode_tok_s / measured - 1):.0%} off (scratch dir {workdir})")  # fmt: skip
+    steps, price_ratio = step_table(cluster, profiles, plan, workdir, since=t_start)
+    console.print(steps)
+    return Round(measured, naive.decode_tok_s, served.decode_tok_s, profile_s, price_ratio)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="profile + serve rounds, back to back (the box's speed drifts: judge the median)")
+    ap.add_argument("--method", default="helix")
+    ap.add_argument("--placement", metavar="NODE=S:E,...", help="serve this placement instead of planning one")
+    ap.add_argument("--force", action="store_true", help="re-measure in the first round even if the cache is warm")
+    ap.add_argument("--gather-window-ms", type=float, default=AgentConfig("").gather_window_s * 1000,
+                    help="the agents' gather window (helix agent --gather-window-ms), simulated as served")
+    ap.add_argument("--workdir", help="scratch directory (default: a fresh temporary one)")
+    args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
+    console = Console(highlight=False)
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="helix-fidelity-"))
+    rounds: list[Round] = []
+    for i in range(args.rounds):
+        console.rule(f"round {i + 1} of {args.rounds}")
+        # every round after the first profiles afresh: its profile and its real run are minutes apart, not more
+        rounds.append(one_round(args, workdir / f"round-{i + 1}", console, force=args.force or i > 0))
+    summary = Table(title=f"fidelity, {len(rounds)} rounds (each: profile, plan, serve {args.requests} requests, simulate)")
+    for col in ("round", "profiled s", "step CPU / profile", "measured tok/s", "sim as served", "sim / measured",
+                "own devices / measured"):
+        summary.add_column(col, justify="right")
+    for i, r in enumerate(rounds, 1):
+        summary.add_row(str(i), f"{r.profile_s:.1f}", f"{r.price_ratio:.2f}", f"{r.measured:.1f}", f"{r.served:.1f}",
+                        f"{r.served / r.measured:.2f}", f"{r.naive / r.measured:.2f}")
+    console.print(summary)
+    ratio = statistics.median(r.served / r.measured for r in rounds)
+    within = sum(abs(r.served / r.measured - 1) <= TOLERANCE for r in rounds)
+    verdict = "[green]within[/]" if abs(ratio - 1) <= TOLERANCE else "[red]outside[/]"
+    console.print(f"median sim / measured {ratio:.2f}: {verdict} the {TOLERANCE:.0%} target "
+                  f"({within} of {len(rounds)} rounds within it; scratch dir {workdir})")
     return 0
 
 
