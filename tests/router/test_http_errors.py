@@ -108,3 +108,20 @@ def test_disconnect_cancels_everywhere(serving_cluster) -> None:
         lambda: all(r.used_tokens == 0 and r.reserved_tokens == 0 for r in coordinator.io.kv_reports().values()),
         what="agents freed the KV")
     assert not coordinator.router.pipelines  # and the router released its reservation
+
+
+def test_a_client_gone_before_its_answer_is_dropped(serving_cluster) -> None:
+    """Non-streaming: the handler notices the closed connection (is_disconnected, through the
+    API-key middleware) and cancels the request everywhere."""
+    coordinator = serving_cluster.coordinator
+    dropped = coordinator.metrics.requests.labels("chat", "disconnected")
+    before = dropped._value.get()
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 2000, "temperature": 0}
+    with serving_cluster.http() as http:
+        with pytest.raises(httpx.ReadTimeout):  # gives up, closing the connection mid-answer
+            http.post("/v1/chat/completions", json=body, timeout=httpx.Timeout(10, read=1.5))
+    serving_cluster.wait_until(lambda: coordinator.health_details()["running"] == 0, what="request dropped")
+    assert dropped._value.get() == before + 1  # dropped as a disconnect, not finished
+    serving_cluster.wait_until(
+        lambda: all(r.used_tokens == 0 and r.reserved_tokens == 0 for r in coordinator.io.kv_reports().values()),
+        what="agents freed the KV")
