@@ -27,6 +27,25 @@ def paper():
     return cluster, profiles, plans
 
 
+def _tiny(nodes: int, *, address: bool = False, latency_ms: float = 0.0, **tp_extra):
+    """A 6-layer model on ``nodes`` identical nodes: 1 ms per layer per decode step (any batch),
+    prefill 0.01 ms per token per layer; links of unlimited bandwidth and ``latency_ms``."""
+    from helix.profile import GpuProfile, ModelProfile, ProfileSet, ThroughputProfile
+    from helix.spec import ClusterSpec
+
+    model = ModelProfile(num_layers=6, hidden_size=8, layer_weight_bytes=1.0, kv_bytes_per_token_per_layer=1.0)
+    tp = ThroughputProfile(max_layers=6, prefill_ms_per_layer=[(0, 0), (100, 1.0)],
+                           decode_ms_per_layer=[(0, 0), (1, 1.0), (8, 1.0)], kv_capacity_tokens_by_layers=[1e7] * 6,
+                           **tp_extra)  # fmt: skip
+    profiles = ProfileSet(models={"m": model}, gpus={"g": GpuProfile(vram_gb=1, throughput={"m": tp})})
+    cluster = ClusterSpec.model_validate({
+        "name": "t", "model": "m", "profiles": "p.yaml", "coordinator": {"id": "c"},
+        "nodes": [{"id": f"n{i}", "gpu": "g", **({"address": f"tcp://127.0.0.1:{5551 + i}"} if address else {})}
+                  for i in range(nodes)],
+        "defaults": {"intra_region": {"bandwidth_gbps": 1000, "latency_ms": latency_ms}}})
+    return cluster, profiles
+
+
 def test_deterministic_for_a_seed(paper) -> None:
     cluster, profiles, plans = paper
     cfg = dict(duration_s=40.0, warmup_s=10.0)
@@ -160,20 +179,11 @@ def test_per_step_costs_paid_once_per_stage_and_head_on_the_last(tmp_path) -> No
     assert decode_gap(single, **costs) == pytest.approx(0.006 + 0.002 + 0.005)
 
 
-def test_nodes_sharing_a_host_run_one_iteration_per_core() -> None:
+def test_nodes_sharing_a_host_share_its_cores() -> None:
     from helix.plan import Plan
-    from helix.profile import GpuProfile, ModelProfile, ProfileSet, ThroughputProfile
-    from helix.spec import ClusterSpec
     from simulator.workload import RequestSpec
 
-    model = ModelProfile(num_layers=6, hidden_size=8, layer_weight_bytes=1.0, kv_bytes_per_token_per_layer=1.0)
-    tp = ThroughputProfile(max_layers=6, prefill_ms_per_layer=[(0, 0), (100, 1.0)],
-                           decode_ms_per_layer=[(0, 0), (1, 1.0), (8, 1.0)], kv_capacity_tokens_by_layers=[1e7] * 6)
-    profiles = ProfileSet(models={"m": model}, gpus={"g": GpuProfile(vram_gb=1, throughput={"m": tp})})
-    cluster = ClusterSpec.model_validate({
-        "name": "t", "model": "m", "profiles": "p.yaml", "coordinator": {"id": "c"},
-        "nodes": [{"id": f"n{i}", "gpu": "g", "address": f"tcp://127.0.0.1:{5551 + i}"} for i in range(3)],
-        "defaults": {"intra_region": {"bandwidth_gbps": 1000, "latency_ms": 0.0}}})
+    cluster, profiles = _tiny(3, address=True)
     plan = Plan(cluster="t", model="m", method="given", placement={"n0": (0, 2), "n1": (2, 4), "n2": (4, 6)},
                 max_flow_tok_s=1.0)
     trace = [RequestSpec(0.0, 10, 50) for _ in range(30)]
@@ -184,7 +194,7 @@ def test_nodes_sharing_a_host_run_one_iteration_per_core() -> None:
 
     free, shared, one = run(None), run(3), run(1)
     assert shared == pytest.approx(free)  # a core per node: as if on their own devices
-    assert one > 1.5 * free  # one core: the three stages take turns
+    assert one > 1.5 * free  # one core: the three stages share it
 
 
 def test_chunked_prefill_runs_one_prompt_chunk_per_iteration() -> None:
@@ -217,25 +227,6 @@ def test_chunked_prefill_runs_one_prompt_chunk_per_iteration() -> None:
     assert mean_ttft(256, [20, 20, 20]) == pytest.approx(0.1, abs=1e-4)
     # a prompt longer than the chunk takes several iterations on the node before it moves on
     assert mean_ttft(16, [40]) == pytest.approx(2 * (0.032 + 0.01) + 0.016 + 0.01, abs=1e-4)
-
-
-def _tiny(nodes: int, *, address: bool = False, **tp_extra):
-    """A 6-layer model on ``nodes`` identical nodes: 1 ms per layer per decode step (any batch),
-    prefill 0.01 ms per token per layer; no link costs."""
-    from helix.profile import GpuProfile, ModelProfile, ProfileSet, ThroughputProfile
-    from helix.spec import ClusterSpec
-
-    model = ModelProfile(num_layers=6, hidden_size=8, layer_weight_bytes=1.0, kv_bytes_per_token_per_layer=1.0)
-    tp = ThroughputProfile(max_layers=6, prefill_ms_per_layer=[(0, 0), (100, 1.0)],
-                           decode_ms_per_layer=[(0, 0), (1, 1.0), (8, 1.0)], kv_capacity_tokens_by_layers=[1e7] * 6,
-                           **tp_extra)  # fmt: skip
-    profiles = ProfileSet(models={"m": model}, gpus={"g": GpuProfile(vram_gb=1, throughput={"m": tp})})
-    cluster = ClusterSpec.model_validate({
-        "name": "t", "model": "m", "profiles": "p.yaml", "coordinator": {"id": "c"},
-        "nodes": [{"id": f"n{i}", "gpu": "g", **({"address": f"tcp://127.0.0.1:{5551 + i}"} if address else {})}
-                  for i in range(nodes)],
-        "defaults": {"intra_region": {"bandwidth_gbps": 1000, "latency_ms": 0.0}}})
-    return cluster, profiles
 
 
 def test_a_shared_core_is_shared_not_taken_in_turns() -> None:
@@ -298,18 +289,9 @@ def test_decode_pays_for_context_beyond_the_profiled_one() -> None:
 def test_a_node_holding_the_whole_model_feeds_its_token_back_itself() -> None:
     """As the agent does (engine loop-back): no coordinator round trip between its decode steps."""
     from helix.plan import Plan
-    from helix.profile import GpuProfile, ModelProfile, ProfileSet, ThroughputProfile
-    from helix.spec import ClusterSpec
     from simulator.workload import RequestSpec
 
-    model = ModelProfile(num_layers=6, hidden_size=8, layer_weight_bytes=1.0, kv_bytes_per_token_per_layer=1.0)
-    tp = ThroughputProfile(max_layers=6, prefill_ms_per_layer=[(0, 0), (100, 1.0)],
-                           decode_ms_per_layer=[(0, 0), (1, 1.0), (8, 1.0)], kv_capacity_tokens_by_layers=[1e7] * 6)
-    profiles = ProfileSet(models={"m": model}, gpus={"g": GpuProfile(vram_gb=1, throughput={"m": tp})})
-    cluster = ClusterSpec.model_validate({
-        "name": "t", "model": "m", "profiles": "p.yaml", "coordinator": {"id": "c"},
-        "nodes": [{"id": f"n{i}", "gpu": "g"} for i in range(2)],
-        "defaults": {"intra_region": {"bandwidth_gbps": 1000, "latency_ms": 10.0}}})
+    cluster, profiles = _tiny(2, latency_ms=10.0)
     trace = [RequestSpec(0.0, 10, 4)]
 
     def decode_gap(placement: dict[str, tuple[int, int]]) -> float:
