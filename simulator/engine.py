@@ -45,7 +45,6 @@ import heapq
 import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -55,6 +54,7 @@ from helix.profile import ProfileSet
 from helix.spec import ClusterSpec
 from helix.units import gbps_to_bytes_per_s
 from router.policy import Router, RouteRequest
+from simulator.hosts import SharedHost
 from simulator.results import SimConfig, SimResult, percentiles
 from simulator.routing import make_router
 from simulator.state import SimNode, SimRequest, latency_table
@@ -71,15 +71,6 @@ def _host(address: str | None) -> str | None:
         return None
     rest = address.split("://", 1)[-1]
     return rest.rsplit(":", 1)[0] if ":" in rest else rest
-
-
-@dataclass(slots=True)
-class _Host:
-    """A host whose nodes share ``host_cores`` cores: the iterations running on it, and when
-    their remaining work was last brought up to date."""
-
-    running: list[SimNode] = field(default_factory=list)
-    since: float = 0.0
 
 
 class Simulation:
@@ -158,7 +149,7 @@ class Simulation:
         self.preempted: deque[SimRequest] = deque()  # victims wait here until a finished request frees KV
         # nodes sharing a host's cores (host_cores): host -> its running iterations (processor sharing)
         self.host_of = {nid: _host(cluster.node(nid).address) or nid for nid in self.nodes}
-        self.hosts: dict[str, _Host] = {h: _Host() for h in self.host_of.values()}
+        self.hosts = {h: SharedHost(config.host_cores or 1) for h in self.host_of.values()}
         self.inflight_samples: list[int] = []  # requests in flight at every KV report in the window
         self.buckets = [0] * (int(math.ceil(t1 / config.bucket_s)) + 2)
         self.cap_inflight = config.max_inflight  # None: the KV feeder admits
@@ -241,55 +232,11 @@ class Simulation:
     def _try_start(self, n: SimNode) -> None:
         cores = self.cfg.host_cores
         while n.queue and not n.busy:
-            batch: list[SimRequest] = []
-            rest: list[SimRequest] = []
-            used, cap = n.kv_used, n.cap
-            ptoks = dcount = 0
-            chunk = self.cfg.prefill_chunk_tokens
-            by_start: dict[int, list[int]] = {}
-            for r in n.queue:
-                ls = r.stages[r.stage].layer_start
-                layers = n.end - ls
-                if r.prefill:
-                    todo = r.ctx - r.pdone
-                    if chunk is not None:  # Sarathi: one chunk of the oldest prompt per iteration
-                        if ptoks:
-                            rest.append(r)
-                            continue
-                        todo = min(todo, chunk)
-                    elif ptoks and ptoks + todo > n.pmax:
-                        rest.append(r)
-                        continue
-                    need = r.ctx * layers if r.pdone == 0 else 0.0
-                else:
-                    if dcount >= n.dmax:
-                        rest.append(r)
-                        continue
-                    need = layers
-                if used + need > cap:
-                    rest.append(r)
-                    continue
-                used += need
-                r.kv[n.id] = r.kv.get(n.id, 0.0) + need
-                acc = by_start.get(ls)
-                if acc is None:
-                    acc = by_start[ls] = [0, 0, 0]
-                if r.prefill:
-                    r.pdone += todo
-                    ptoks += todo
-                    acc[0] += todo
-                else:
-                    dcount += 1
-                    acc[1] += 1
-                    acc[2] += r.prompt + r.generated  # the context it attends over
-                batch.append(r)
-            if not batch:
+            taken = n.take_batch(self.cfg.prefill_chunk_tokens)
+            if taken is None:
                 self._preempt(n)
                 continue
-            n.queue = rest
-            n.kv_used = used
-            if used > n.kv_peak:
-                n.kv_peak = used
+            batch, by_start = taken
             dur = (n.iteration_ms(by_start, len(batch)) + self.cfg.iteration_overhead_ms) / 1000.0
             n.busy = True
             n.batch = batch
@@ -300,11 +247,7 @@ class Simulation:
             if cores is None:
                 self._push(self.now + dur, _NODE_DONE, n, n.version)
             else:
-                host = self.hosts[self.host_of[n.id]]
-                self._advance(host)
-                n.remaining = dur
-                host.running.append(n)
-                self._reschedule(host)
+                self.hosts[self.host_of[n.id]].start(n, dur, self.now, self._schedule_end)
 
     def _preempt(self, n: SimNode) -> None:
         """Nothing on ``n`` fits its KV: free the latest-admitted waiting request everywhere."""
@@ -331,28 +274,13 @@ class Simulation:
                 self._push(self.now, _ARRIVE, nid, [])
         r.kv = {}
 
-    def _advance(self, host: _Host) -> None:
-        """Credit the host's running iterations with the work done since its last change."""
-        if host.running:
-            done = (self.now - host.since) * min(1.0, (self.cfg.host_cores or 1) / len(host.running))
-            for m in host.running:
-                m.remaining -= done
-        host.since = self.now
-
-    def _reschedule(self, host: _Host) -> None:
-        """The running iterations' finish times at the host's new share (older events go stale)."""
-        rate = min(1.0, (self.cfg.host_cores or 1) / len(host.running)) if host.running else 1.0
-        for m in host.running:
-            m.version += 1
-            self._push(self.now + max(0.0, m.remaining) / rate, _NODE_DONE, m, m.version)
+    def _schedule_end(self, t: float, n: SimNode) -> None:
+        self._push(t, _NODE_DONE, n, n.version)
 
     def _node_done(self, n: SimNode) -> None:
         n.busy = False
         if self.cfg.host_cores is not None:
-            host = self.hosts[self.host_of[n.id]]
-            self._advance(host)
-            host.running.remove(n)
-            self._reschedule(host)
+            self.hosts[self.host_of[n.id]].finish(n, self.now, self._schedule_end)
         batch, n.batch = n.batch, []
         groups: dict[str, list[SimRequest]] = {}
         swarm = self.swarm

@@ -56,6 +56,61 @@ class SimNode:
         self.version = 0  # of the scheduled end of the running iteration (a shared host reschedules it)
         self.remaining = 0.0  # seconds of work the running iteration has left (shared hosts)
 
+    def take_batch(self, chunk: int | None) -> tuple[list[SimRequest], dict[int, list[int]]] | None:
+        """Form the next iteration from the queue, FIFO (Orca): prefills up to ``pmax`` tokens
+        (or, ``chunk``, one chunk of the oldest prompt: Sarathi), decodes up to ``dmax``, each
+        only if its KV fits; the taken requests leave the queue and their KV is held. Returns
+        the batch and its composition by entry layer (:meth:`iteration_ms`), or None when
+        nothing fits (the caller preempts)."""
+        batch: list[SimRequest] = []
+        rest: list[SimRequest] = []
+        used, cap = self.kv_used, self.cap
+        ptoks = dcount = 0
+        by_start: dict[int, list[int]] = {}
+        for r in self.queue:
+            ls = r.stages[r.stage].layer_start
+            layers = self.end - ls
+            if r.prefill:
+                todo = r.ctx - r.pdone
+                if chunk is not None:  # Sarathi: one chunk of the oldest prompt per iteration
+                    if ptoks:
+                        rest.append(r)
+                        continue
+                    todo = min(todo, chunk)
+                elif ptoks and ptoks + todo > self.pmax:
+                    rest.append(r)
+                    continue
+                need = r.ctx * layers if r.pdone == 0 else 0.0
+            else:
+                if dcount >= self.dmax:
+                    rest.append(r)
+                    continue
+                need = layers
+            if used + need > cap:
+                rest.append(r)
+                continue
+            used += need
+            r.kv[self.id] = r.kv.get(self.id, 0.0) + need
+            acc = by_start.get(ls)
+            if acc is None:
+                acc = by_start[ls] = [0, 0, 0]
+            if r.prefill:
+                r.pdone += todo
+                ptoks += todo
+                acc[0] += todo
+            else:
+                dcount += 1
+                acc[1] += 1
+                acc[2] += r.prompt + r.generated  # the context it attends over
+            batch.append(r)
+        if not batch:
+            return None
+        self.queue = rest
+        self.kv_used = used
+        if used > self.kv_peak:
+            self.kv_peak = used
+        return batch, by_start
+
     def iteration_ms(self, by_start: dict[int, list[int]] | dict[int, tuple[int, int, int]], sampled: int) -> float:
         """What one iteration costs here: ``by_start`` maps the first layer requests entered at to
         their (prefill tokens, decoding requests, those requests' context tokens); a layer runs the
