@@ -42,6 +42,9 @@ class GpuType:
     decode_max_batch: list[int] | None
     step_ms: Curve | None = None  # once per iteration on every stage, by batch tokens (absent: 0)
     head_ms: Curve | None = None  # once per iteration on the last-layer stage, by sequences (absent: 0)
+    # decode: ms per layer and request for each token of context beyond decode_context_tokens (absent: 0)
+    decode_context_tokens: float = 0.0
+    decode_ms_per_context_token: float = 0.0
 
 
 @dataclass(slots=True)
@@ -84,6 +87,8 @@ class Instance:
                 decode_max_batch=list(tp.decode_max_tokens_by_layers[:top]) if tp.decode_max_tokens_by_layers else None,
                 step_ms=[(float(x), float(ms)) for x, ms in tp.step_overhead_ms] if tp.step_overhead_ms else None,
                 head_ms=[(float(x), float(ms)) for x, ms in tp.head_ms] if tp.head_ms else None,
+                decode_context_tokens=tp.decode_context_tokens or 0.0,
+                decode_ms_per_context_token=tp.decode_ms_per_context_token or 0.0,
             )
         inst = cls(
             cap=cap,

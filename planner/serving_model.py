@@ -12,7 +12,8 @@ output tokens per request (Azure conversation trace means: 763 / 232):
   (coordinator -> first, hops, last -> coordinator), with d_i(b) the profile's
   decode_ms_per_layer at decode batch b (else b / T_i(k_i), i.e. derived from tok_s), plus
   the profile's optional per-step costs: step_overhead_ms once per step on every node and
-  head_ms on the node holding the last layer (absent: 0).
+  head_ms on the node holding the last layer (absent: 0), and the profile's optional context
+  cost for the workload's mean context (prompt + half the output) per request.
   Amortised prefill adds  pre_p / D  with pre_p = sum_i l_ip * prefill_ms_i(P) + latencies.
   The batch b_i a node sees is the expected number of its in-flight requests currently at
   it (n_i * its share of W_p), found by a short fixed-point iteration.
@@ -144,6 +145,9 @@ class ServingModel:
         cap = float(g.decode_max_batch[layers_run - 1]) if g.decode_max_batch else batch
         steps = math.ceil(batch / cap - 1e-9)  # a batch above the node's decode limit takes several steps
         per_step = interp(g.decode_ms, batch / steps)
+        if g.decode_ms_per_context_token:  # each request attends over the workload's mean context
+            context = self.w.prompt_tokens + self.w.output_tokens / 2
+            per_step += batch / steps * (context - g.decode_context_tokens) * g.decode_ms_per_context_token
         riding = 0.0
         if self.w.mixed_batches and g.prefill_ms is not None:
             # in steady state every iteration also carries prompt tokens in the workload's ratio
