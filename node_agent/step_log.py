@@ -3,9 +3,10 @@
 Each line: ``t`` (monotonic seconds at the step's start), ``wall_ms``, ``cpu_ms`` (the engine
 thread's CPU time: the step's own work, not time the OS gave other processes) and ``by_start``
 (``{first layer: [prefill tokens, decoding requests, their context tokens]}``, the composition
-the simulator prices an iteration by). ``bench/fidelity.py`` prices every logged step with the node's profile to tell a
-profile that is off from a schedule that differs. Lines are buffered and flushed when the agent
-stops (a diagnosis aid, not a journal: a killed agent may lose its tail).
+the simulator prices an iteration by). ``bench/fidelity.py`` prices every logged step with the
+node's profile to tell a profile that is off from a schedule that differs. Lines are buffered
+and flushed when the agent stops (a diagnosis aid, not a journal: a killed agent may lose its
+tail).
 """
 
 from __future__ import annotations

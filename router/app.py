@@ -74,7 +74,8 @@ class _Guard:
     """API keys on ``/v1`` and the body-size limit, before anything reads the body. A plain ASGI
     middleware: starlette's ``BaseHTTPMiddleware`` (``@app.middleware("http")``) wraps every
     ``receive`` in a task group, and the non-streaming handler polls ``is_disconnected`` 4 times
-    a second per request — that made up half the coordinator's CPU while serving."""
+    a second per request: the coordinator (with the bench's load generator) used 2.30 CPU-s for
+    32 requests of 96 tokens with it, 1.4-1.7 without."""
 
     def __init__(self, app: ASGIApp, keys: Sequence[bytes]) -> None:
         self.app, self.keys = app, list(keys)

@@ -9,8 +9,9 @@ Model (documented with its calibration in ``docs/simulator.md``):
   stage and receives the sampled token from the last; after each token it applies the stop
   condition (the request's output length) and sends the next decode step down the *same*
   pipeline (a node holding the whole model for a request feeds the token to its own next
-  iteration instead, as the agent does). Offline mode keeps the cluster saturated like the paper's feeder, the same for
-  every router: it starts with ``offline_initial`` requests and, whenever a prompt or a
+  iteration instead, as the agent does). Offline mode keeps the cluster saturated like the
+  paper's feeder, the same for every router: it starts with ``offline_initial`` requests and,
+  whenever a prompt or a
   request finishes, admits one more while the coordinator's KV estimate
   (:class:`router.kv.KVEstimator`, which holds every admitted request's reservation whatever
   chose its next hops) says the fullest layer is at most ``feed_hwm``. Only the next-hop
