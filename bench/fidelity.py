@@ -152,11 +152,19 @@ async def _fire(base_url: str, model: str, texts: list[str], max_tokens: int,
     return [r | {"done_s": r["done_s"] - t0} for r in results], t0
 
 
+@dataclass
+class RealRun:
+    """What serving the requests for real gave."""
+
+    results: list[dict[str, Any]]  # each request's usage and done time (s after the start)
+    cpu: dict[str, float]  # CPU seconds during the run: each agent process, and this one (COORDINATOR_ROW)
+    host: dict[str, float]  # this host's CPU seconds during the run by state (/proc/stat)
+    started: float  # time.monotonic() when the requests went out (the agents' step logs use it)
+
+
 def run_real(cluster_path: Path, cluster: Any, profiles: Any, plan: Any, texts: list[str], max_tokens: int,
-             workdir: Path, console: Console,
-             agent_args: tuple[str, ...] = ()) -> tuple[list[dict[str, Any]], dict[str, float], float]:  # fmt: skip
-    """The requests' usage and done times, the CPU seconds each agent process and this one
-    (coordinator + HTTP load generator) used while they ran, and when they started (monotonic)."""
+             workdir: Path, console: Console, agent_args: tuple[str, ...] = ()) -> RealRun:  # fmt: skip
+    """Serve ``texts`` through real agents and the coordinator's HTTP endpoint."""
     secret = secrets.token_hex(16)
     agents = AgentProcesses(cluster_path.resolve(), cluster_path.parent / "plan.json", workdir, secret=secret,
                             extra_args=("--step-log", str(workdir / "steps-{node}.jsonl"), *agent_args))
@@ -168,14 +176,13 @@ def run_real(cluster_path: Path, cluster: Any, profiles: Any, plan: Any, texts: 
         server: Any = make_server(create_server_app(coordinator, addresses, secret=secret.encode()), "127.0.0.1", 0)
 
         pids = {node: a.proc.pid for node, a in agents.agents.items()}
-        before: dict[str, float] = {}
+        snaps: list[tuple[float, dict[str, float], dict[str, float]]] = []  # (time, process CPU, host CPU)
 
-        def snapshot() -> dict[str, float]:
-            host = {f"host {k}": v for k, v in host_cpu_seconds().items()}
-            return {**{n: process_cpu_seconds(pid) for n, pid in pids.items()}, COORDINATOR_ROW: time.process_time(),
-                    **host, "t": time.monotonic()}
+        def snapshot() -> None:
+            cpu = {n: process_cpu_seconds(pid) for n, pid in pids.items()} | {COORDINATOR_ROW: time.process_time()}
+            snaps.append((time.monotonic(), cpu, host_cpu_seconds()))
 
-        async def main() -> tuple[list[dict[str, Any]], dict[str, float]]:
+        async def main() -> list[dict[str, Any]]:
             serving = asyncio.create_task(server.serve())
             while not server.started:
                 if serving.done():
@@ -186,15 +193,16 @@ def run_real(cluster_path: Path, cluster: Any, profiles: Any, plan: Any, texts: 
             port = server.servers[0].sockets[0].getsockname()[1]
             try:
                 results, _ = await _fire(f"http://127.0.0.1:{port}/v1", coordinator.model_names[0], texts, max_tokens,
-                                         on_start=lambda: before.update(snapshot()))  # fmt: skip
-                after = snapshot()
+                                         on_start=snapshot)  # fmt: skip
+                snapshot()
             finally:
                 server.should_exit = True
                 await serving
-            return results, {k: after[k] - before[k] for k in after}
+            return results
 
-        results, used = asyncio.run(main())
-        return results, used, before["t"]
+        results = asyncio.run(main())
+        (t0, cpu0, host0), (_, cpu1, host1) = snaps
+        return RealRun(results, {k: cpu1[k] - cpu0[k] for k in cpu1}, {k: host1[k] - host0.get(k, 0.0) for k in host1}, t0)
     finally:
         agents.stop()
 
@@ -240,8 +248,9 @@ def one_round(args: argparse.Namespace, workdir: Path, console: Console, force: 
     cluster_path, profile_s = prepare(workdir, console, force)
     cluster, profiles, plan = plan_cluster(cluster_path, args.method, console, args.placement)
     texts = prompts(args.requests)
-    real, cpu_used, t_start = run_real(cluster_path, cluster, profiles, plan, texts, args.max_tokens, workdir, console,
-                                       agent_args=("--gather-window-ms", str(args.gather_window_ms)))
+    run = run_real(cluster_path, cluster, profiles, plan, texts, args.max_tokens, workdir, console,
+                   agent_args=("--gather-window-ms", str(args.gather_window_ms)))
+    real, cpu_used = run.results, run.cpu
     (workdir / "real-run.json").write_text(json.dumps(real))
     makespan = max(r["done_s"] for r in real)
     decode_tokens = sum(r["completion_tokens"] - 1 for r in real)
@@ -276,8 +285,6 @@ def one_round(args: argparse.Namespace, workdir: Path, console: Console, force: 
     work = Table(title="where the CPU went during the run: real process CPU vs simulated busy time (as served)")
     for col in ("process", "layers", "real CPU s", "simulated busy s", "real / simulated"):
         work.add_column(col, justify="right")
-    host = {k.removeprefix("host "): cpu_used.pop(k) for k in list(cpu_used) if k.startswith("host ")}
-    del cpu_used["t"]
     for node, used in cpu_used.items():
         busy = served.node_utilization.get(node, 0.0) * served.sim_end_s if node in plan.placement else None
         layers = f"[{plan.placement[node][0]}, {plan.placement[node][1]})" if node in plan.placement else "-"
@@ -288,9 +295,9 @@ def one_round(args: argparse.Namespace, workdir: Path, console: Console, force: 
                  f"{sum(cpu_used.values()) / total_busy:.2f}" if total_busy else "-")
     work.caption = (f"{cores} cores x makespan = {cores * makespan:.2f} core-s real, "
                     f"{cores * served.sim_end_s:.2f} simulated; the host meanwhile (/proc/stat, all processes): "
-                    + ", ".join(f"{k} {v:.2f}" for k, v in host.items() if v >= 0.005))
+                    + ", ".join(f"{k} {v:.2f}" for k, v in run.host.items() if v >= 0.005))
     console.print(work)
-    steps, price_ratio = step_table(cluster, profiles, plan, workdir, since=t_start)
+    steps, price_ratio = step_table(cluster, profiles, plan, workdir, since=run.started)
     console.print(steps)
     return Round(measured, naive.decode_tok_s, served.decode_tok_s, profile_s, price_ratio)
 
