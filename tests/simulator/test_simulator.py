@@ -149,26 +149,17 @@ def test_config_rejects_zero_chunk_or_cores(paper) -> None:
             simulate(cluster, profiles, plans["milp"], SimConfig(duration_s=1.0, warmup_s=0.0, **{field: 0}))
 
 
-def test_per_step_costs_paid_once_per_stage_and_head_on_the_last(tmp_path) -> None:
+def test_per_step_costs_paid_once_per_stage_and_head_on_the_last() -> None:
     from helix.plan import Plan
-    from helix.profile import GpuProfile, ModelProfile, ProfileSet, ThroughputProfile
-    from helix.spec import ClusterSpec
+    from simulator.workload import RequestSpec
 
-    model = ModelProfile(num_layers=6, hidden_size=8, layer_weight_bytes=1.0, kv_bytes_per_token_per_layer=1.0)
-    curves = dict(max_layers=6, prefill_ms_per_layer=[(0, 0), (100, 1.0)], decode_ms_per_layer=[(0, 0), (1, 1.0), (8, 1.0)],
-                  kv_capacity_tokens_by_layers=[1e7] * 6)
-    cluster = ClusterSpec.model_validate({
-        "name": "t", "model": "m", "profiles": "p.yaml", "coordinator": {"id": "c"},
-        "nodes": [{"id": f"n{i}", "gpu": "g"} for i in range(3)],
-        "defaults": {"intra_region": {"bandwidth_gbps": 1000, "latency_ms": 0.0}}})
     pipeline = Plan(cluster="t", model="m", method="given", placement={"n0": (0, 2), "n1": (2, 4), "n2": (4, 6)},
                     max_flow_tok_s=1.0)
     single = Plan(cluster="t", model="m", method="given", placement={"n0": (0, 6)}, max_flow_tok_s=1.0)
-    trace = [__import__("simulator.workload", fromlist=["RequestSpec"]).RequestSpec(0.0, 10, 11)]
+    trace = [RequestSpec(0.0, 10, 11)]
 
     def decode_gap(plan, **extra) -> float:
-        gpu = GpuProfile(vram_gb=1, throughput={"m": ThroughputProfile(**curves, **extra)})
-        profiles = ProfileSet(models={"m": model}, gpus={"g": gpu})
+        cluster, profiles = _tiny(3, **extra)
         cfg = SimConfig(mode="online", trace=trace, num_requests=1, warmup_s=0.0, duration_s=1e6)
         return simulate(cluster, profiles, plan, cfg).decode_latency_s["p50"]
 
