@@ -142,6 +142,8 @@ class NodeAgent:
         self._wake_w.setblocking(False)
         self._kv = engine.kv_usage()
         self._queues = (0, 0)
+        # opened here, so a path that cannot be written is a start-up error, not a dead engine thread
+        self._step_log = StepLog(config.step_log) if config.step_log else None
         self.failed = False  # the engine thread died with an exception
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -229,7 +231,7 @@ class NodeAgent:
             import torch
 
             torch.set_num_threads(self.config.torch_threads)
-        step_log = StepLog(self.config.step_log) if self.config.step_log else None
+        step_log = self._step_log
         try:
             while not self._stopping:
                 while self._inbox:

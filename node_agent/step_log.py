@@ -17,6 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any, Protocol, TypeVar
 
+from helix.errors import ConfigError
+
 
 class _Ran(Protocol):
     outputs: list[Any]
@@ -31,8 +33,11 @@ class StepLog:
 
     def __init__(self, path: str | Path) -> None:
         target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        self._file: IO[str] = target.open("a", buffering=1 << 16)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            self._file: IO[str] = target.open("a", buffering=1 << 16)
+        except OSError as exc:
+            raise ConfigError(f"cannot write the step log {target}: {exc.strerror or exc}", field="--step-log") from None
 
     def run(self, step: Callable[[], R]) -> R:
         """Run one engine step, timed; a step that ran something is written down."""

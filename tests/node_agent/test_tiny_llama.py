@@ -129,3 +129,13 @@ def test_a_step_reports_what_it_ran_by_entry_layer(tiny_llama: tuple[Path, Any],
     records = read_step_log(tmp_path / "steps.jsonl")
     assert [r["by_start"] for r in records] == [first.by_start, second.by_start]
     assert all(r["cpu_ms"] > 0 and r["wall_ms"] > 0 for r in records)
+
+
+def test_a_step_log_that_cannot_be_written_is_named(tmp_path: Path) -> None:
+    from helix.errors import ConfigError
+    from node_agent.step_log import StepLog
+
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ConfigError, match="step log") as err:
+        StepLog(tmp_path / "a-file" / "steps.jsonl")  # its directory is a file
+    assert err.value.field == "--step-log"
