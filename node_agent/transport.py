@@ -30,7 +30,8 @@ def tensor_frame(hidden: torch.Tensor, dtype: str) -> tuple[tuple[int, ...], mem
     """``hidden`` as ``(shape, raw bytes)`` in wire dtype ``dtype`` (no msgpack lists, no copy when possible)."""
     t = hidden.detach().to(TORCH_DTYPES[dtype]).contiguous()
     raw = t.view(torch.uint8) if t.dtype != torch.uint8 else t
-    return tuple(t.shape), memoryview(raw.numpy()).cast("B")
+    array: Any = raw.numpy()  # numpy arrays are buffers; numpy's stubs do not say so
+    return tuple(t.shape), memoryview(array).cast("B")
 
 
 def frame_tensor(msg: wire.Activations) -> torch.Tensor:

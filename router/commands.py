@@ -222,12 +222,21 @@ def _in_thread(fn: Callable[[], None], done: asyncio.Future[None]) -> None:
         try:
             fn()
         except BaseException as exc:  # noqa: BLE001 - handed to the loop
-            error = exc
-            loop.call_soon_threadsafe(lambda: done.done() or done.set_exception(error))
+            loop.call_soon_threadsafe(_settle, done, exc)
         else:
-            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+            loop.call_soon_threadsafe(_settle, done, None)
 
     threading.Thread(target=run, name="demo-client", daemon=True).start()
+
+
+def _settle(done: asyncio.Future[None], error: BaseException | None) -> None:
+    """Resolve ``done`` once (on its loop): with ``error`` if there is one."""
+    if done.done():
+        return
+    if error is None:
+        done.set_result(None)
+    else:
+        done.set_exception(error)
 
 
 def _ask(console: Any, base_url: str, model: str, args: argparse.Namespace, keys: list[str]) -> None:

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from helix.errors import HelixError
 
@@ -94,7 +95,7 @@ class AgentProcesses:
         """Block until every started agent printed READY; returns node -> control address."""
         deadline = time.monotonic() + timeout_s
         sel = selectors.DefaultSelector()
-        pending = {a.proc.stdout: a for a in self.agents.values() if a.control_address is None}  # type: ignore[misc]
+        pending: dict[Any, AgentProcess] = {a.proc.stdout: a for a in self.agents.values() if a.control_address is None}
         for stream in pending:
             sel.register(stream, selectors.EVENT_READ)
         try:
@@ -103,8 +104,8 @@ class AgentProcesses:
                     raise HelixError(f"agents {', '.join(a.node for a in pending.values())} not ready after "
                                      f"{timeout_s:.0f} s")
                 for key, _ in sel.select(timeout=0.2):
-                    agent = pending[key.fileobj]  # type: ignore[index]
-                    chunk = key.fileobj.read() or b""  # type: ignore[union-attr]
+                    agent = pending[key.fileobj]
+                    chunk = agent.proc.stdout.read() or b""  # type: ignore[union-attr]
                     agent._buffer += chunk
                     for line in agent._buffer.split(b"\n"):
                         if line.startswith(b"READY "):

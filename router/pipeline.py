@@ -113,9 +113,9 @@ def build_pipeline(
     num_layers = topology.num_layers
     failed: set[tuple[str, int]] = set()  # (node, layers done on entry) known to dead-end
     stages: list[Stage] = []
-    stack: list[tuple[str, int, Container[str]]] = []
+    stack: list[tuple[str, int, frozenset[str]]] = []
     vertex, done = coord, 0
-    tried: Container[str] = _NONE
+    tried: frozenset[str] = _NONE
 
     def ok(candidate: str) -> bool:
         if candidate == coord:
@@ -134,7 +134,7 @@ def build_pipeline(
             dead_end = stages.pop()
             failed.add((dead_end.node, dead_end.layer_start))
             vertex, done, tried = stack.pop()
-            tried = {*tried, dead_end.node}
+            tried = tried | {dead_end.node}
             continue
         if nxt == coord:
             return Pipeline(tuple(stages))
