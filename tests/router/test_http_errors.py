@@ -116,7 +116,10 @@ def test_a_client_gone_before_its_answer_is_dropped(serving_cluster) -> None:
     coordinator = serving_cluster.coordinator
     dropped = coordinator.metrics.requests.labels("chat", "disconnected")
     before = dropped._value.get()
-    body = {"model": MODEL, "messages": CHAT, "max_tokens": 2000, "temperature": 0}
+    # an answer far longer than the client waits ("Say hi." can end by itself within the 1.5 s on a
+    # slow machine, and then it is counted as finished, not dropped)
+    long_answer = [{"role": "user", "content": "Count from 1 to 1000, one number per line."}]
+    body = {"model": MODEL, "messages": long_answer, "max_tokens": 2000, "temperature": 0}
     with serving_cluster.http() as http:
         with pytest.raises(httpx.ReadTimeout):  # gives up, closing the connection mid-answer
             http.post("/v1/chat/completions", json=body, timeout=httpx.Timeout(10, read=1.5))
