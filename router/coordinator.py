@@ -69,6 +69,7 @@ class Coordinator:
         self.nodes = sorted(router.topology.placement)
         self._by_wire: dict[str, Flight] = {}  # running attempts
         self._waiting: deque[Flight] = deque()
+        self._pipeline_edges: dict[tuple[str, ...], tuple[tuple[str, str], ...]] = {}
         self._ready = False
         self._stop_ids = tuple(sorted(tokenizer.eos_token_ids))
         for node in self.nodes:  # no node is usable before its agent completes the handshake
@@ -281,9 +282,12 @@ class Coordinator:
         elif not self._try_start(flight):
             self._waiting.appendleft(flight)  # KV-masked for now: first in line
 
-    def _edges(self, pipeline: Pipeline) -> list[tuple[str, str]]:
-        hops = [self.coordinator_id, *pipeline.nodes, self.coordinator_id]
-        return list(zip(hops, hops[1:], strict=False))
+    def _edges(self, pipeline: Pipeline) -> tuple[tuple[str, str], ...]:
+        edges = self._pipeline_edges.get(pipeline.nodes)
+        if edges is None:  # a handful of distinct pipelines; every token asks
+            hops = [self.coordinator_id, *pipeline.nodes, self.coordinator_id]
+            edges = self._pipeline_edges[pipeline.nodes] = tuple(zip(hops, hops[1:], strict=False))
+        return edges
 
     def _finish(self, flight: Flight, reason: str) -> None:
         self.metrics.latency.observe(time.monotonic() - flight.arrival_s)

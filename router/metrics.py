@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -74,15 +75,20 @@ class ServingMetrics:
         self.flow_observed = Gauge("helix_edge_observed_flow_tok_s", f"Tokens/s that crossed each edge over the "
                                    f"last {FLOW_WINDOW_S:.0f} s", ["src", "dst"], registry=r)
         self.edge_tokens = Counter("helix_edge_tokens", "Tokens that crossed each edge", ["src", "dst"], registry=r)
+        self._edge_counters: dict[tuple[str, str], Any] = {}  # labels() looked up once per edge, not per token
         self.flow = EdgeFlow()
         for (src, dst), tok_s in planned_flows.items():
             self.flow_planned.labels(src, dst).set(tok_s)
             self.flow_observed.labels(src, dst).set(0.0)
 
-    def tokens_moved(self, edges: list[tuple[str, str]], tokens: int) -> None:
+    def tokens_moved(self, edges: Sequence[tuple[str, str]], tokens: int) -> None:
         self.flow.add(edges, tokens)
-        for src, dst in edges:
-            self.edge_tokens.labels(src, dst).inc(tokens)
+        counters = self._edge_counters
+        for edge in edges:
+            counter = counters.get(edge)
+            if counter is None:
+                counter = counters[edge] = self.edge_tokens.labels(*edge)
+            counter.inc(tokens)
 
     def refresh(self, *, ready: bool, alive: Mapping[str, bool], kv_usage: Mapping[str, float],
                 kv_reports: Mapping[str, Mapping[str, float]], waiting: int, running: int) -> None:

@@ -158,3 +158,24 @@ def test_http_429_with_retry_after_when_the_queue_is_full() -> None:
             assert [r.status_code for r in done] == [200, 200, 200]
 
     asyncio.run(scenario())
+
+
+def test_a_request_whose_tokens_stop_coming_ends_with_an_error(monkeypatch) -> None:
+    from helix.errors import HelixError
+    from router import request_state
+
+    monkeypatch.setattr(request_state, "STALL_TIMEOUT_S", 0.2)
+
+    async def scenario() -> None:
+        coord, io = _coordinator(kv_entries=1e9, queue_bound=8)
+        handle = await coord.admit(GenerationRequest(prompt_ids=[1, 2], max_tokens=50))
+        wire_id = list(io.submitted)[-1]
+        io.emit(wire_id, coord.tokenizer.encode("ok")[0])  # one token, then nothing
+        seen: list[object] = []
+        with pytest.raises(HelixError, match="produced no token for"):
+            async for event in handle.events():
+                seen.append(event)
+        assert seen and isinstance(seen[0], str)  # the token before the stall arrived
+        assert wire_id in io.cancelled  # and the stalled request was cancelled everywhere
+
+    asyncio.run(scenario())

@@ -111,8 +111,8 @@ def test_disconnect_cancels_everywhere(serving_cluster) -> None:
 
 
 def test_a_client_gone_before_its_answer_is_dropped(serving_cluster) -> None:
-    """Non-streaming: the handler notices the closed connection (is_disconnected, through the
-    API-key middleware) and cancels the request everywhere."""
+    """Non-streaming: the handler notices the closed connection (the ASGI ``http.disconnect``,
+    through the API-key middleware) and cancels the request everywhere."""
     coordinator = serving_cluster.coordinator
     dropped = coordinator.metrics.requests.labels("chat", "disconnected")
     before = dropped._value.get()
