@@ -43,7 +43,8 @@ from node_agent.engine import StageEngine  # noqa: E402
 from node_agent.gguf_convert import cached_model_dir  # noqa: E402
 from node_agent.sampling import SamplingParams  # noqa: E402
 from node_agent.scheduler import SchedulerConfig  # noqa: E402
-from router.agents_io import AgentsIO, TokenEvent  # noqa: E402
+from router.agent_events import TokenEvent  # noqa: E402
+from router.agents_io import AgentsIO  # noqa: E402
 from router.launch import process_cpu_seconds  # noqa: E402
 from router.pipeline import Stage  # noqa: E402
 

@@ -13,13 +13,12 @@ An agent whose heartbeats stop for ``dead_after_s`` is declared dead (``on_agent
 in-flight requests end with an ``agent_dead`` error event so the caller can re-route them; the
 agent is re-handshaken until it answers again (``on_agent_alive``).
 
-Callbacks run on the I/O thread and must be quick; :class:`AsyncTokenStream` hands events to an
-asyncio loop. All public methods are thread-safe.
+Callbacks run on the I/O thread and must be quick; :class:`router.agent_events.AsyncTokenStream`
+hands events to an asyncio loop. All public methods are thread-safe.
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import itertools
 import logging
@@ -36,46 +35,12 @@ import zmq
 
 from helix import wire
 from helix.errors import NoRouteError, ProtocolError, RequestError
+from router.agent_events import KVReport, TokenCallback, TokenEvent
 
 log = logging.getLogger(__name__)
 
 HELLO_RETRY_S = 1.0
 TICK_S = 0.05
-
-
-@dataclass(frozen=True, slots=True)
-class TokenEvent:
-    """One event of a request: a token (``token_id``), its end (``finished``), or an ``error``.
-
-    ``error_code``: ``capacity`` (can never fit in some stage's KV), ``agent_dead``, ``unreachable``,
-    ``bad_request`` ...; errors are always ``finished``. ``finish_reason``: ``stop``, ``length``,
-    ``cancelled`` or ``error``.
-    """
-
-    request_id: str
-    token_id: int | None
-    index: int
-    finished: bool = False
-    finish_reason: str | None = None
-    error_code: str | None = None
-    error: str | None = None
-    node_id: str | None = None
-
-
-TokenCallback = Callable[[TokenEvent], None]
-
-
-@dataclass(frozen=True, slots=True)
-class KVReport:
-    """The latest heartbeat of an agent: KV tokens and queue lengths, and how old it is."""
-
-    node_id: str
-    used_tokens: int
-    reserved_tokens: int
-    capacity_tokens: int
-    waiting: int
-    running: int
-    age_s: float
 
 
 @dataclass(slots=True)
@@ -402,25 +367,3 @@ class AgentsIO:
             elif not agent.alive and now - agent.hello_at > HELLO_RETRY_S:
                 agent.hello_at = now  # same socket and nonce: a late CHALLENGE still verifies
                 self._send_raw(agent, wire.Hello(self.name, agent.nonce))
-
-
-class AsyncTokenStream:
-    """Bridge to asyncio: pass ``stream.put`` as ``on_token``; ``async for event in stream`` until finished."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        self._loop = loop or asyncio.get_running_loop()
-        self._queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
-
-    def put(self, event: TokenEvent) -> None:  # I/O thread
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
-
-    def __aiter__(self) -> AsyncTokenStream:
-        self._done = False
-        return self
-
-    async def __anext__(self) -> TokenEvent:
-        if self._done:
-            raise StopAsyncIteration
-        event = await self._queue.get()
-        self._done = event.finished
-        return event

@@ -34,7 +34,8 @@ from collections.abc import Callable, Container, Mapping
 
 from helix.errors import CapacityError, HelixError, NoRouteError, OverloadedError
 from helix.wire import SamplingSpec, Welcome
-from router.agents_io import AgentsIO, TokenEvent
+from router.agent_events import TokenEvent
+from router.agents_io import AgentsIO
 from router.metrics import ServingMetrics
 from router.pipeline import Pipeline, build_pipeline
 from router.policy import Router, RouteRequest

@@ -29,7 +29,8 @@ import zmq
 
 from helix import wire
 from node_agent.step_log import read_step_log
-from router.agents_io import AgentsIO, TokenEvent
+from router.agent_events import TokenEvent
+from router.agents_io import AgentsIO
 from router.pipeline import Stage
 
 SECRET = "agent-test-secret"

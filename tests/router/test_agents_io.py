@@ -18,7 +18,8 @@ import zmq
 
 from helix import wire
 from helix.errors import NoRouteError, RequestError
-from router.agents_io import AgentsIO, AsyncTokenStream, TokenEvent
+from router.agent_events import AsyncTokenStream, TokenEvent
+from router.agents_io import AgentsIO
 from router.pipeline import Stage
 
 SECRET = b"io-test"

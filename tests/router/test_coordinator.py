@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from helix.errors import CapacityError, NoRouteError, OverloadedError
-from router.agents_io import TokenEvent
+from router.agent_events import TokenEvent
 from router.coordinator import Coordinator
 from router.policy import Router
 from router.request_state import Finish, GenerationRequest
