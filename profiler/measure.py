@@ -29,7 +29,7 @@ import logging
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -157,10 +157,11 @@ def _median_ms(samples: list[float]) -> float:
     return round(statistics.median(samples) * 1000, 4)
 
 
-def _step_curves(engines: dict[str, Any], settings: MeasureSettings,
-                 note: Progress) -> dict[str, tuple[list[float], list[float], list[float]]]:  # fmt: skip
+def _step_curves(engines: dict[str, Any], settings: MeasureSettings, note: Progress,
+                 context_labels: tuple[str, ...]) -> dict[str, tuple[list[float], list[float], list[float]]]:  # fmt: skip
     """Median step ms of every engine for every prefill size and decode batch of ``settings``,
-    and of its ``context_batch`` decoding at ``context_tokens`` and at ``long_context_tokens``.
+    and, for the engines in ``context_labels`` (the others get ``[]``), of ``context_batch``
+    requests decoding at ``context_tokens`` and at ``long_context_tokens``.
 
     The engines take turns step by step (each sample of one engine sits between samples of the
     others), so a change in the machine's load during the measurement — another process, a
@@ -207,31 +208,34 @@ def _step_curves(engines: dict[str, Any], settings: MeasureSettings,
         for label in engines:
             prefill[label].append(_median_ms(samples[label]))
 
-    def decode_ms(b: int, context: int) -> dict[str, float]:
+    def decode_ms(b: int, context: int, labels: Iterable[str] = engines) -> dict[str, float]:
         """Median step ms of ``b`` requests holding ``context`` tokens decoding one token each."""
-        rids = {label: [add(engine, context) for _ in range(b)] for label, engine in engines.items()}
-        for label, engine in engines.items():
+        measured = {label: engines[label] for label in labels}
+        rids = {label: [add(engine, context) for _ in range(b)] for label, engine in measured.items()}
+        for label, engine in measured.items():
             running = engine.scheduler.running
             while any(running.get(r) is None or running[r].in_prefill for r in rids[label]):
                 engine.step()
-        samples: dict[str, list[float]] = {label: [] for label in engines}
+        samples: dict[str, list[float]] = {label: [] for label in measured}
         for _ in range(s.repeats + 1):
-            for label, engine in engines.items():
+            for label, engine in measured.items():
                 for rid in rids[label]:
                     engine.push_hidden(rid, torch.randn(1, engine.config.hidden_size))
                 samples[label].append(timed_step(label))
-        for label, engine in engines.items():
+        for label, engine in measured.items():
             for rid in rids[label]:
                 engine.cancel(rid)
-        return {label: _median_ms(samples[label][1:]) for label in engines}
+        return {label: _median_ms(samples[label][1:]) for label in measured}
 
     for b in s.decode_batches:
         note(f"decode batch {b}")
         for label, ms in decode_ms(b, s.context_tokens).items():
             decode[label].append(ms)
     note(f"decode batch {s.context_batch} at {s.long_context_tokens} tokens of context")
-    near, far = decode_ms(s.context_batch, s.context_tokens), decode_ms(s.context_batch, s.long_context_tokens)
-    return {label: (prefill[label], decode[label], [near[label], far[label]]) for label in engines}
+    near = decode_ms(s.context_batch, s.context_tokens, context_labels)
+    far = decode_ms(s.context_batch, s.long_context_tokens, context_labels)
+    return {label: (prefill[label], decode[label], [near[label], far[label]] if label in near else [])
+            for label in engines}  # fmt: skip
 
 
 def measure_device(
@@ -291,7 +295,7 @@ def measure_device(
     note(f"stages: layers 1-{short}, layers 1-{layers}, last layer + LM head, measured in turns")
     if loaded is not None:
         loaded()
-    curves = _step_curves(engines, s, note)
+    curves = _step_curves(engines, s, note, context_labels=("short", "long"))  # their difference is per layer
     del engines
     (pre_one, dec_one, ctx_one), (pre_mid, dec_mid, ctx_mid), (pre_last, dec_last, _) = (
         curves["short"], curves["long"], curves["last"])
