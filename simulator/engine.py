@@ -316,9 +316,6 @@ class Simulation:
 
     # -- coordinator --------------------------------------------------------------------------
 
-    def _coord(self, reqs: list[SimRequest]) -> None:
-        self._tokens(reqs)
-
     def _tokens(self, reqs: list[SimRequest], loop_back: SimNode | None = None) -> None:
         """Tokens the coordinator receives: stop condition, metrics, then each unfinished
         request's next decode goes to its first stage — or, ``loop_back``, straight back into the
@@ -412,7 +409,7 @@ class Simulation:
             self.now = t
             events += 1
             if kind == _COORD:
-                self._coord(b)
+                self._tokens(b)
             elif kind == _ARRIVE:
                 n = nodes[a]
                 for r in b:
