@@ -71,10 +71,11 @@ def _error(status: int, message: str, *, param: str | None = None, code: str | N
 
 class _Guard:
     """API keys on ``/v1`` and the body-size limit, before anything reads the body. A plain ASGI
-    middleware: starlette's ``BaseHTTPMiddleware`` (``@app.middleware("http")``) wraps every
-    ``receive`` in a task group, and the non-streaming handler then polled ``is_disconnected`` 4
-    times a second per request: the coordinator (with the bench's load generator) used 2.30 CPU-s
-    for 32 requests of 96 tokens with it, 1.4-1.7 without."""
+    middleware, because the handlers talk to ``receive`` directly (a waiting non-streaming
+    request watches it for ``http.disconnect``) and starlette's ``BaseHTTPMiddleware``
+    (``@app.middleware("http")``) wraps every ``receive`` in a task group of its own; with it and
+    the old 4-per-second ``is_disconnected`` polls the coordinator (with the bench's load
+    generator) used 2.30 CPU-s for 32 requests of 96 tokens, 1.4-1.7 without."""
 
     def __init__(self, app: ASGIApp, keys: Sequence[bytes]) -> None:
         self.app, self.keys = app, list(keys)
