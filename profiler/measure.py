@@ -5,12 +5,16 @@ runs of middle layers of different lengths, and the last layer with the LM head)
 each exactly as an agent does, with ``add_request`` / ``push_hidden`` / ``step``:
 
 * **prefill**: one request of ``t`` prompt tokens in one step (chunking off), for every ``t`` in
-  ``prefill_tokens``; the median step time of ``repeats`` runs;
-* **decode**: ``b`` requests with ``context_tokens`` of context each, one new token each per
-  step, for every ``b`` in ``decode_batches``; likewise;
-* **context**: ``context_batch`` requests decoding with ``long_context_tokens`` of context
-  instead: the cost of context (attention reads every cached key and value) per layer, per
-  request and per token, ``decode_ms_per_context_token``.
+  ``prefill_tokens``;
+* **decode**: ``b`` requests of about ``context_tokens`` of context, one new token each per step,
+  for every ``b`` in ``decode_batches``;
+* **context**: on the longer middle stage, ``context_batch`` requests decoding at
+  ``context_tokens`` and as many at ``long_context_tokens``: the cost of context (attention
+  reads every cached key and value) per layer, per request and per token,
+  ``decode_ms_per_context_token``.
+
+Every point is the median of ``repeats`` steps, and the points are measured in turns (a round
+of every point, ``repeats`` times): see :func:`_step_curves`.
 
 From the three stages' step times come the per-layer curves (see :func:`measure_device`). The
 two middle stages are long enough that their weights do not fit the device's last-level cache
@@ -29,7 +33,8 @@ import logging
 import platform
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,9 +48,9 @@ DEFAULT_PREFILL_TOKENS = (16, 64, 128, 256)  # the agent's prefill chunk is 256
 DEFAULT_DECODE_BATCHES = (1, 2, 4, 8, 16, 32)
 DEFAULT_CONTEXT_TOKENS = 64
 DEFAULT_MIN_KV_TOKENS_PER_LAYER = 65536
-DEFAULT_LONG_CONTEXT_TOKENS = 256  # one prefill step at the agent's chunk
+DEFAULT_LONG_CONTEXT_TOKENS = 512  # far enough from context_tokens that the growth stands out of the noise
 DEFAULT_CONTEXT_BATCH = 8
-MEASURE_VERSION = 7  # bump when what measure_device returns changes (invalidates caches)
+MEASURE_VERSION = 8  # bump when what measure_device returns changes (invalidates caches)
 
 Progress = Callable[[str], None]
 
@@ -157,33 +162,68 @@ def _median_ms(samples: list[float]) -> float:
     return round(statistics.median(samples) * 1000, 4)
 
 
-def _step_curves(engines: dict[str, Any], settings: MeasureSettings, note: Progress,
-                 context_labels: tuple[str, ...]) -> dict[str, tuple[list[float], list[float], list[float]]]:  # fmt: skip
-    """Median step ms of every engine for every prefill size and decode batch of ``settings``,
-    and, for the engines in ``context_labels`` (the others get ``[]``), of ``context_batch``
-    requests decoding at ``context_tokens`` and at ``long_context_tokens``.
+def decode_runs(settings: MeasureSettings) -> int:
+    """The most decode steps one probe request can run during :func:`_step_curves` (its KV
+    reservation): one per measured point, every round, the untimed first round included."""
+    return (settings.repeats + 1) * (len(settings.decode_batches) + 2)
 
-    The engines take turns step by step (each sample of one engine sits between samples of the
-    others), so a change in the machine's load during the measurement — another process, a
-    co-located node being measured at the same time — lands on all of them alike instead of
-    on whichever engine happened to run then: the per-layer slope between two stages and the
-    head (a difference of stages) stay clean.
+
+@dataclass(slots=True)
+class _ProbeRequests:
+    """The decode requests one probe engine keeps for the whole measurement: a ``pool`` at
+    ``context_tokens`` that every decode point takes its batch from, in turn (so all of them
+    grow alike), and, on the engines that price context, ``near`` and ``far`` groups of
+    ``context_batch`` at ``context_tokens`` and ``long_context_tokens``, run once a round each
+    (so their contexts stay exactly that far apart)."""
+
+    pool: deque[str]
+    near: list[str]
+    far: list[str]
+
+
+@dataclass(slots=True)
+class StepCurves:
+    """Median step ms of one probe engine at every point, and the mean context its decodes ran at."""
+
+    prefill: list[float]
+    decode: list[float]
+    context: list[float]  # [near, far] at context_batch; [] where context is not measured
+    context_growth_ms: float  # the median of far - near, step by step (0.0 where not measured)
+    decode_context_tokens: float
+
+
+def _step_curves(engines: dict[str, Any], settings: MeasureSettings, note: Progress,
+                 context_labels: tuple[str, ...]) -> dict[str, StepCurves]:  # fmt: skip
+    """Median step ms of every engine for every prefill size and decode batch of ``settings``,
+    and, for the engines in ``context_labels``, of ``context_batch`` requests decoding at
+    ``context_tokens`` and at ``long_context_tokens``.
+
+    Everything is measured in turns: ``repeats`` rounds (after an untimed one), each round one
+    step of every engine at every point. This machine's speed drifts by 10-30 % within seconds
+    (other processes, the co-located nodes being measured at the same time, the host under the
+    VM); measured one point after another, the drift landed on whichever point ran then, made a
+    bigger decode batch look cheaper than a smaller one and drowned the context cost (a few
+    percent of a step) entirely. In turns, every point sees the same mix of fast and slow
+    moments, so the curves' shapes (the per-layer slope between two stages, the head, the growth
+    with batch and with context) are clean and their level is the average over the measurement.
+
+    The decode requests stay resident (:class:`_ProbeRequests`); a step runs exactly the ones
+    given an input just before it, as an agent's step runs the requests whose inputs arrived.
     """
     import torch
 
     from node_agent.sampling import SamplingParams
 
     s = settings
-    sampling = SamplingParams(max_tokens=s.repeats + 8)
+    sampling = SamplingParams(max_tokens=decode_runs(s))
     counter = iter(range(1 << 30))
+    clocks = {label: step_clock(str(getattr(engine, "device", "cpu"))) for label, engine in engines.items()}
 
     def add(engine: Any, tokens: int) -> str:
         rid = f"probe-{next(counter)}"
         engine.add_request(rid, sampling, prompt_len=tokens)
         engine.push_hidden(rid, torch.randn(tokens, engine.config.hidden_size))
         return rid
-
-    clocks = {label: step_clock(str(getattr(engine, "device", "cpu"))) for label, engine in engines.items()}
 
     def timed_step(label: str) -> float:
         clock, engine = clocks[label], engines[label]
@@ -195,46 +235,68 @@ def _step_curves(engines: dict[str, Any], settings: MeasureSettings, note: Progr
         warm = add(engine, 32)
         engine.step()
         engine.cancel(warm)
-    prefill: dict[str, list[float]] = {label: [] for label in engines}
-    decode: dict[str, list[float]] = {label: [] for label in engines}
-    for t in s.prefill_tokens:
-        note(f"prefill {t} tokens")
-        samples: dict[str, list[float]] = {label: [] for label in engines}
-        for _ in range(s.repeats):
+    note("prefilling the decode requests")
+    probes: dict[str, _ProbeRequests] = {}
+    for label, engine in engines.items():
+        priced = label in context_labels
+        probes[label] = _ProbeRequests(
+            pool=deque(add(engine, s.context_tokens) for _ in range(max(s.decode_batches))),
+            near=[add(engine, s.context_tokens) for _ in range(s.context_batch)] if priced else [],
+            far=[add(engine, s.long_context_tokens) for _ in range(s.context_batch)] if priced else [])
+        running = engine.scheduler.running
+        while any(seq.in_prefill for seq in running.values()):
+            engine.step()
+
+    def decode_step(label: str, rids: list[str]) -> tuple[float, int]:
+        """One timed step of ``rids`` decoding a token each: (seconds, their context tokens)."""
+        engine = engines[label]
+        context = sum(engine.scheduler.running[rid].computed_tokens for rid in rids)
+        for rid in rids:
+            engine.push_hidden(rid, torch.randn(1, engine.config.hidden_size))
+        return timed_step(label), context
+
+    prefill: dict[str, list[list[float]]] = {label: [[] for _ in s.prefill_tokens] for label in engines}
+    decode: dict[str, list[list[float]]] = {label: [[] for _ in s.decode_batches] for label in engines}
+    context: dict[str, tuple[list[float], list[float]]] = {label: ([], []) for label in context_labels if label in engines}
+    decoded = {label: [0, 0] for label in engines}  # context tokens, requests: the decode curve's own context
+    for rnd in range(s.repeats + 1):
+        timed = rnd > 0  # the first round only settles allocations and caches
+        note(f"round {rnd + 1} of {s.repeats + 1}: prefill, decode, context" if timed else "untimed first round")
+        for i, t in enumerate(s.prefill_tokens):
             for label, engine in engines.items():
                 rid = add(engine, t)
-                samples[label].append(timed_step(label))
+                took = timed_step(label)
                 engine.cancel(rid)
-        for label in engines:
-            prefill[label].append(_median_ms(samples[label]))
-
-    def decode_ms(b: int, context: int, labels: Iterable[str] = engines) -> dict[str, float]:
-        """Median step ms of ``b`` requests holding ``context`` tokens decoding one token each."""
-        measured = {label: engines[label] for label in labels}
-        rids = {label: [add(engine, context) for _ in range(b)] for label, engine in measured.items()}
-        for label, engine in measured.items():
-            running = engine.scheduler.running
-            while any(running.get(r) is None or running[r].in_prefill for r in rids[label]):
-                engine.step()
-        samples: dict[str, list[float]] = {label: [] for label in measured}
-        for _ in range(s.repeats + 1):
-            for label, engine in measured.items():
-                for rid in rids[label]:
-                    engine.push_hidden(rid, torch.randn(1, engine.config.hidden_size))
-                samples[label].append(timed_step(label))
-        for label, engine in measured.items():
-            for rid in rids[label]:
-                engine.cancel(rid)
-        return {label: _median_ms(samples[label][1:]) for label in measured}
-
-    for b in s.decode_batches:
-        note(f"decode batch {b}")
-        for label, ms in decode_ms(b, s.context_tokens).items():
-            decode[label].append(ms)
-    note(f"decode batch {s.context_batch} at {s.long_context_tokens} tokens of context")
-    near = decode_ms(s.context_batch, s.context_tokens, context_labels)
-    far = decode_ms(s.context_batch, s.long_context_tokens, context_labels)
-    return {label: (prefill[label], decode[label], [near[label], far[label]] if label in near else [])
+                if timed:
+                    prefill[label][i].append(took)
+        for i, b in enumerate(s.decode_batches):
+            for label in engines:
+                pool = probes[label].pool
+                took, ctx = decode_step(label, [pool[j] for j in range(b)])
+                pool.rotate(-b)
+                if timed:
+                    decode[label][i].append(took)
+                    decoded[label][0] += ctx
+                    decoded[label][1] += b
+        for label, (near, far) in context.items():
+            if rnd % 2:  # in turns, so neither group always runs right after the other
+                far_s, _ = decode_step(label, probes[label].far)
+                near_s, _ = decode_step(label, probes[label].near)
+            else:
+                near_s, _ = decode_step(label, probes[label].near)
+                far_s, _ = decode_step(label, probes[label].far)
+            if timed:
+                near.append(near_s)
+                far.append(far_s)
+    for label, engine in engines.items():
+        for rid in [*probes[label].pool, *probes[label].near, *probes[label].far]:
+            engine.cancel(rid)
+    return {label: StepCurves(prefill=[_median_ms(x) for x in prefill[label]],
+                              decode=[_median_ms(x) for x in decode[label]],
+                              context=[_median_ms(x) for x in context[label]] if label in context else [],
+                              context_growth_ms=_median_ms([f - n for n, f in zip(*context[label], strict=True)])
+                              if label in context else 0.0,
+                              decode_context_tokens=decoded[label][0] / max(1, decoded[label][1]))
             for label in engines}  # fmt: skip
 
 
@@ -281,12 +343,13 @@ def measure_device(
     if s.long_context_tokens <= s.context_tokens:
         raise ConfigError(f"long_context_tokens ({s.long_context_tokens}) must exceed context_tokens ({s.context_tokens})",
                           field="long_context_tokens")  # fmt: skip
-    max_batch = max(*s.decode_batches, s.context_batch)
-    sched = SchedulerConfig(max_batch_size=max_batch,
-                            token_budget=max(max(s.prefill_tokens), max_batch, s.long_context_tokens),
+    resident = max(s.decode_batches) + 2 * s.context_batch + 1  # the decode requests and one prefill probe
+    sched = SchedulerConfig(max_batch_size=resident,
+                            token_budget=max(max(s.prefill_tokens), resident, s.long_context_tokens),
                             chunk_size=None)  # fmt: skip
-    kv_tokens = (max_batch * (s.context_tokens + s.repeats + 16) + max(s.prefill_tokens) * 2 + 1024
-                 + s.context_batch * (s.long_context_tokens + s.repeats + 16))  # fmt: skip
+    runs = decode_runs(s)
+    kv_tokens = (max(s.decode_batches) * (s.context_tokens + runs) + s.context_batch * (s.context_tokens + runs)
+                 + s.context_batch * (s.long_context_tokens + runs) + max(s.prefill_tokens) + runs + 1024)  # fmt: skip
     engines = {
         "short": StageEngine(model_dir, 1, 1 + short, kv_capacity_tokens=kv_tokens, scheduler=sched),
         "long": StageEngine(model_dir, 1, 1 + layers, kv_capacity_tokens=kv_tokens, scheduler=sched),
@@ -295,13 +358,15 @@ def measure_device(
     note(f"stages: layers 1-{short}, layers 1-{layers}, last layer + LM head, measured in turns")
     if loaded is not None:
         loaded()
-    curves = _step_curves(engines, s, note, context_labels=("short", "long"))  # their difference is per layer
+    # context is priced on the longer stage alone: its cost grows with the layers, the fixed part does not
+    curves = _step_curves(engines, s, note, context_labels=("long",))
     del engines
-    (pre_one, dec_one, ctx_one), (pre_mid, dec_mid, ctx_mid), (pre_last, dec_last, _) = (
-        curves["short"], curves["long"], curves["last"])
-    # context: the per-layer slope of the step's growth from the near to the far context, per request and token
-    ctx_layer = (ctx_mid[1] - ctx_mid[0] - (ctx_one[1] - ctx_one[0])) / (layers - short)
-    ctx_ms = max(0.0, ctx_layer / s.context_batch / (s.long_context_tokens - s.context_tokens))
+    one, mid, last = curves["short"], curves["long"], curves["last"]
+    pre_one, dec_one, pre_mid, dec_mid, pre_last, dec_last = (one.prefill, one.decode, mid.prefill, mid.decode,
+                                                              last.prefill, last.decode)  # fmt: skip
+    # the growth is a few percent of a step: a median of paired differences (the two groups' steps
+    # run back to back) leaves out the machine's drift, which a difference of two medians keeps
+    ctx_ms = max(0.0, mid.context_growth_ms / layers / s.context_batch / (s.long_context_tokens - s.context_tokens))
     weight_bytes = config.layer_weight_bytes(4)
     pre_layer = _slopes(pre_one, pre_mid, short, layers)
     dec_layer = _slopes(dec_one, dec_mid, short, layers)
@@ -319,13 +384,13 @@ def measure_device(
                                                  in zip(s.prefill_tokens, pre_layer, pre_head, strict=True)],
         "decode_ms_per_layer": [[0.0, 0.0]] + [[float(b), round(ms + h / n, 4)] for b, ms, h
                                                 in zip(s.decode_batches, dec_layer, dec_head, strict=True)],
-        # the decode steps ran at context_tokens + 1 .. + repeats + 1 (each step adds a token)
-        "decode_context_tokens": float(s.context_tokens + 1 + s.repeats / 2),
+        # the mean context the timed decode steps attended over (each step adds a token)
+        "decode_context_tokens": round(mid.decode_context_tokens + 1, 2),
         "decode_ms_per_context_token": round(ctx_ms, 7),
         "raw": {"prefill_layer_ms": pre_layer, "prefill_head_ms": pre_head,
                 "decode_layer_ms": dec_layer, "decode_head_ms": dec_head,
                 "prefill_fixed_ms": pre_fixed, "decode_fixed_ms": dec_fixed, "probe_layers": [short, layers],
-                "context_step_ms": {"short": ctx_one, "long": ctx_mid}},
+                "context_step_ms": {"long": mid.context}, "context_growth_ms": mid.context_growth_ms},
     })  # fmt: skip
 
 

@@ -41,8 +41,8 @@ def test_profile_demo_cluster_writes_loadable_profiles_and_links(demo: Path) -> 
     assert [t for t, _ in tp.prefill_ms_per_layer] == [0.0, 8.0, 32.0]
     assert all(ms > 0 for t, ms in tp.prefill_ms_per_layer + tp.decode_ms_per_layer if t > 0)
     assert tp.decode_max_tokens_by_layers and len(tp.decode_max_tokens_by_layers) == 30
-    # context costs: the decode curve's own context (context_tokens + 1 + repeats / 2) and a per-token price
-    assert tp.decode_context_tokens == QUICK.context_tokens + 1 + QUICK.repeats / 2
+    # context costs: the decode curve's own context (see test_step_curves_...) and a per-token price
+    assert tp.decode_context_tokens == expected_decode_context(QUICK)
     assert tp.decode_ms_per_context_token is not None and tp.decode_ms_per_context_token >= 0
     assert tp.max_layers == profiles.models[cluster.model].num_layers == 30
     table = tp.tok_s_table(profiles.models[cluster.model])
@@ -76,6 +76,47 @@ def test_cache_ignores_other_keys_and_corrupt_files(tmp_path: Path) -> None:
     for f in tmp_path.iterdir():
         f.write_text("{not json")
     assert cache.get({"model": "m", "device": "d"}) is None
+
+
+def expected_decode_context(s: MeasureSettings) -> float:
+    """The decode curve's context by :func:`profiler.measure._step_curves`' rule, worked out here
+    on its own: a pool of ``max(decode_batches)`` requests at ``context_tokens``; every round each
+    batch takes the next ``b`` of them in turn (each step adds a token to those it ran); the
+    untimed first round is not counted; + 1 for the token each step adds."""
+    contexts = [s.context_tokens] * max(s.decode_batches)
+    turn, total, count = 0, 0, 0
+    for rnd in range(s.repeats + 1):
+        for b in s.decode_batches:
+            picked = [(turn + j) % len(contexts) for j in range(b)]
+            if rnd > 0:
+                total += sum(contexts[i] for i in picked)
+                count += b
+            for i in picked:
+                contexts[i] += 1
+            turn = (turn + b) % len(contexts)
+    return round(total / count + 1, 2)
+
+
+def test_step_curves_measure_every_point_in_turns_on_resident_requests() -> None:
+    from node_agent.engine import StageEngine
+    from node_agent.gguf_convert import cached_model_dir
+    from node_agent.scheduler import SchedulerConfig
+    from profiler.measure import _step_curves
+
+    s = MeasureSettings(prefill_tokens=(8, 16), decode_batches=(1, 2, 4), context_tokens=12, long_context_tokens=40,
+                        context_batch=2, repeats=3)  # fmt: skip
+    sched = SchedulerConfig(max_batch_size=16, token_budget=64, chunk_size=None)
+    engines = {name: StageEngine(cached_model_dir(), 1, 2, kv_capacity_tokens=4096, scheduler=sched)
+               for name in ("a", "b")}  # fmt: skip
+    notes: list[str] = []
+    curves = _step_curves(engines, s, notes.append, context_labels=("b",))
+    assert notes[-1] == f"round {s.repeats + 1} of {s.repeats + 1}: prefill, decode, context"
+    for name, c in curves.items():
+        assert len(c.prefill) == 2 and len(c.decode) == 3 and all(ms > 0 for ms in c.prefill + c.decode)
+        assert round(c.decode_context_tokens + 1, 2) == expected_decode_context(s)
+        assert not engines[name].has_unfinished  # every probe request is gone
+    assert curves["a"].context == [] and curves["a"].context_growth_ms == 0.0
+    assert len(curves["b"].context) == 2 and all(ms > 0 for ms in curves["b"].context)
 
 
 def test_link_probe_measures_loopback() -> None:
