@@ -29,7 +29,7 @@ class SimConfig:
     max_inflight: int | None = None  # offline: None = the KV feeder (every router); N = keep N in flight
     num_requests: int | None = None  # stop issuing after this many and drain (tests)
     kv_report_interval_s: float = 1.0
-    iteration_overhead_ms: float = 0.0
+    iteration_overhead_ms: float = 0.0  # CPU per iteration beyond the profile's step: agents' messaging, a co-located coordinator
     host_cores: int | None = None  # nodes on one host (address) run at most this many iterations at once
     prefill_chunk_tokens: int | None = None  # Sarathi: one prefill chunk of at most this many tokens per iteration
     gather_window_ms: float = 0.0  # an idle node woken by an arrival starts this much later (helix agent: 3 ms)

@@ -258,6 +258,27 @@ def test_an_idle_node_gathers_a_burst_before_it_starts() -> None:
     assert run(2.0).sim_end_s == pytest.approx(run(0.0).sim_end_s + 5 * 3 * 0.002)
 
 
+def test_host_cpu_outside_steps_is_paid_every_iteration_on_the_shared_cores() -> None:
+    from helix.plan import Plan
+    from simulator.workload import RequestSpec
+
+    cluster, profiles = _tiny(3, address=True)
+    plan = Plan(cluster="t", model="m", method="given", placement={"n0": (0, 2), "n1": (2, 4), "n2": (4, 6)},
+                max_flow_tok_s=1.0)
+
+    def run(trace: list[RequestSpec], overhead_ms: float, cores: int | None = None) -> float:
+        cfg = SimConfig(mode="online", trace=trace, num_requests=len(trace), warmup_s=0.0, duration_s=1e6,
+                        iteration_overhead_ms=overhead_ms, host_cores=cores)  # fmt: skip
+        return simulate(cluster, profiles, plan, cfg).sim_end_s
+
+    alone = [RequestSpec(0.0, 10, 5)]  # 5 iterations (prefill + 4 decodes) on each of 3 stages, one after another
+    assert run(alone, 1.5) == pytest.approx(run(alone, 0.0) + 5 * 3 * 0.0015)
+    # on one shared core the busy stages pay it together: a backlog ends later by about its total
+    busy = [RequestSpec(0.0, 10, 40) for _ in range(12)]
+    extra = run(busy, 1.5, cores=1) - run(busy, 0.0, cores=1)
+    assert extra > 0.5 * 3 * 40 * 0.0015  # at least half the 3 stages x 40 iterations' overhead
+
+
 def test_decode_pays_for_context_beyond_the_profiled_one() -> None:
     from helix.plan import Plan
     from simulator.workload import RequestSpec
