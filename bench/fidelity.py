@@ -319,6 +319,8 @@ def one_round(args: argparse.Namespace, workdir: Path, console: Console, force: 
                   "(agents' messaging, coordinator, load generator)")
     run = run_real(cluster_path, cluster, profiles, plan, texts, args.max_tokens, workdir, console, agent_args=agent_args)
     real, cpu_used = run.results, run.cpu
+    console.print(f"the judged run's own CPU outside engine steps: {outside_step_ms(run, plan, workdir):.2f} ms per step "
+                  "(shown, not used)")  # fmt: skip
     (workdir / "real-run.json").write_text(json.dumps(real))
     makespan = max(r["done_s"] for r in real)
     decode_tokens = sum(r["completion_tokens"] - 1 for r in real)
