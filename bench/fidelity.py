@@ -337,8 +337,9 @@ def one_round(args: argparse.Namespace, workdir: Path, console: Console, force: 
                                                            prefill_chunk_tokens=chunk_tokens, iteration_overhead_ms=overhead,
                                                            gather_window_ms=gather_ms if chunk_tokens else 0.0))  # fmt: skip
 
-    # the simulator's default (every node its own device, whole prompts per iteration), and the
-    # cluster as it runs here: the agents share this host's cores and prefill one chunk per step
+    # the simulator's default (every node its own device, whole prompts per iteration); the
+    # cluster as it runs here (the agents share this host's cores and prefill one chunk per
+    # step), without and with the host's CPU outside engine steps (the verdict's number)
     naive, bare, served = sim_with(None, None), sim_with(cores, chunk), sim_with(cores, chunk, overhead_ms)
     table = Table(title=f"fidelity: {len(real)} requests on the demo cluster ({plan.method} plan {dict(plan.placement)})")
     columns = {"simulated: own devices": naive, f"as served: {cores} shared cores, chunk {chunk}": bare,

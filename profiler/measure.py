@@ -201,9 +201,8 @@ def _step_curves(engines: dict[str, Any], settings: MeasureSettings, note: Progr
     Everything is measured in turns: ``repeats`` rounds (after an untimed one), each round one
     step of every engine at every point. This machine's speed drifts by 10-30 % within seconds
     (other processes, the co-located nodes being measured at the same time, the host under the
-    VM); measured one point after another, the drift landed on whichever point ran then, made a
-    bigger decode batch look cheaper than a smaller one and drowned the context cost (a few
-    percent of a step) entirely. In turns, every point sees the same mix of fast and slow
+    VM); measured one point after another, the drift landed on whichever point ran then and
+    drowned the context cost (a few percent of a step) entirely. In turns, every point sees the same mix of fast and slow
     moments, so the curves' shapes (the per-layer slope between two stages, the head, the growth
     with batch and with context) are clean and their level is the average over the measurement.
 
