@@ -1,6 +1,6 @@
 """Fidelity of the whole chain on the 3-agent loopback demo: profile, plan, simulate, run for real.
 
-``python bench/fidelity.py`` (about 2 minutes per round on 2 shared cores):
+``python bench/fidelity.py`` (about 2 minutes per round on 2 shared cores, 10 for the default 5 rounds):
 
 1. copies ``clusters/demo`` to a scratch directory and profiles it with ``helix profile``'s
    machinery (the real engine, ``--concurrent``: the three co-located nodes are measured
@@ -380,7 +380,9 @@ def one_round(args: argparse.Namespace, workdir: Path, console: Console, force: 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=32,
+                    help="chat completions sent at once per serve (32: a judged serve of ~13 s; 16 served ~7 s, "
+                         "short enough for this box's speed swings to move a round by 25 %%)")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=5,
                     help="profile + serve rounds, back to back (the box's speed drifts: judge the median)")
