@@ -123,7 +123,8 @@ def prepare(workdir: Path, console: Console, force: bool) -> tuple[Path, float]:
     t0 = time.perf_counter()
     # the agents share this host's cores while they serve: measure them together (per-step CPU
     # time, so the contention for memory and caches is in the profile, the time slicing is not)
-    result = profile_cluster(load_cluster(path), force=force, concurrent=True)
+    cluster = load_cluster(path)  # the measurements go into the copy's own profiles file: the plan uses them
+    result = profile_cluster(cluster, force=force, concurrent=True, output=cluster.profile_paths()[0])
     wall = time.perf_counter() - t0
     console.print(f"profiled {path.parent} in {wall:.1f} s (measured: {result.measured or '-'}, "
                   f"cached: {result.cache_hits or '-'}, {len(result.links)} links)")  # fmt: skip

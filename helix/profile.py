@@ -46,6 +46,18 @@ prices its mean context with it, the simulator every request's own.
 
 ``kv_capacity_tokens_by_layers[k-1]`` counts KV *entries* (one token in one layer) that fit
 when the node holds ``k`` layers; each layer then keeps ``value / k`` tokens of context.
+
+Raising ``max_layers`` by hand: a KV list shorter than ``max_layers`` is extended when the
+profiles are loaded, each more layer's weights taking their bytes from the KV space (the rule
+the profiler's lists follow)::
+
+    kv_capacity_tokens_by_layers[k] = kv_capacity_tokens_by_layers[k-1]
+                                      - layer_weight_bytes / kv_bytes_per_token_per_layer
+
+and ``prompt_max_tokens_by_layers`` / ``decode_max_tokens_by_layers`` repeat their last entry.
+A ``max_layers`` whose extended KV would be empty is refused, naming the most layers that fit.
+A longer list is fine (entries past ``max_layers`` are not used). A ``tok_s`` table cannot be
+extended: it needs one entry per layer count.
 """
 
 from __future__ import annotations
@@ -101,16 +113,40 @@ class ThroughputProfile(_Strict):
     def _check(self) -> ThroughputProfile:
         if self.tok_s is not None:
             if len(self.tok_s) != self.max_layers:
-                raise ValueError(f"tok_s has {len(self.tok_s)} entries but max_layers is {self.max_layers}")
+                raise ValueError(f"tok_s has {len(self.tok_s)} entries but max_layers is {self.max_layers}: give "
+                                 "one entry per layer count k = 1..max_layers (tokens/s through all k layers)")
             if any(t <= 0 for t in self.tok_s):
                 raise ValueError("tok_s entries must be positive")
         elif self.prefill_ms_per_layer is None or self.decode_ms_per_layer is None:
             raise ValueError("give tok_s, or both prefill_ms_per_layer and decode_ms_per_layer")
         if (self.decode_context_tokens is None) != (self.decode_ms_per_context_token is None):
             raise ValueError("give decode_context_tokens and decode_ms_per_context_token together")
-        if self.kv_capacity_tokens_by_layers is not None and len(self.kv_capacity_tokens_by_layers) != self.max_layers:
-            raise ValueError("kv_capacity_tokens_by_layers needs one entry per layer count up to max_layers")
+        for name in ("kv_capacity_tokens_by_layers", "prompt_max_tokens_by_layers", "decode_max_tokens_by_layers"):
+            if getattr(self, name) == []:
+                raise ValueError(f"{name} needs at least one entry (k = 1 layer held)")
         return self
+
+    def extended(self, model: ModelProfile) -> ThroughputProfile:
+        """This profile with its by-layers lists extended to ``max_layers`` (the module docstring's rule)."""
+        update: dict[str, list[float] | list[int]] = {}
+        kv = self.kv_capacity_tokens_by_layers
+        if kv is not None and len(kv) < self.max_layers:
+            per_layer = model.layer_weight_bytes / model.kv_bytes_per_token_per_layer
+            more = [kv[-1] - per_layer * i for i in range(1, self.max_layers - len(kv) + 1)]
+            if more[-1] <= 0:
+                fits = len(kv) + sum(1 for v in more if v > 0)
+                raise ValueError(
+                    f"max_layers {self.max_layers} leaves no KV space: kv_capacity_tokens_by_layers ends at "
+                    f"{kv[-1]:,.0f} entries with {len(kv)} layers and each more layer's weights take "
+                    f"{per_layer:,.0f} (layer_weight_bytes / kv_bytes_per_token_per_layer), so at most {fits} "
+                    "layers fit"
+                )
+            update["kv_capacity_tokens_by_layers"] = [*kv, *(float(round(v)) for v in more)]
+        for name in ("prompt_max_tokens_by_layers", "decode_max_tokens_by_layers"):
+            values = getattr(self, name)
+            if values is not None and len(values) < self.max_layers:
+                update[name] = values + [values[-1]] * (self.max_layers - len(values))
+        return self.model_copy(update=update) if update else self
 
     def decode_context_ms(self, context_tokens: float) -> float:
         """Per layer and decoding request: what a context of ``context_tokens`` costs beyond
@@ -140,6 +176,25 @@ class GpuProfile(_Strict):
 class ProfileSet(_Strict):
     models: dict[str, ModelProfile] = {}
     gpus: dict[str, GpuProfile] = {}
+
+    @model_validator(mode="after")
+    def _extend_by_layers_lists(self) -> ProfileSet:
+        """Lists shorter than ``max_layers`` grow by the module docstring's rule (needs the model's
+        constants; a GPU profiled for a model of another file grows when the files are merged)."""
+        gpus = dict(self.gpus)
+        for name, gpu in self.gpus.items():
+            throughput = dict(gpu.throughput)
+            for model, tp in gpu.throughput.items():
+                if model in self.models:
+                    try:
+                        throughput[model] = tp.extended(self.models[model])
+                    except ValueError as exc:
+                        raise ValueError(f"gpus.{name}.throughput.{model}: {exc}") from None
+            if throughput != gpu.throughput:
+                gpus[name] = gpu.model_copy(update={"throughput": throughput})
+        if gpus != self.gpus:
+            object.__setattr__(self, "gpus", gpus)  # frozen model: set once, while validating
+        return self
 
     def merged(self, other: ProfileSet) -> ProfileSet:
         gpus = dict(self.gpus)
@@ -204,8 +259,14 @@ def derive_tok_s(
 
 
 def node_max_layers(node: NodeSpec, tp: ThroughputProfile) -> int:
-    """The most layers a node may hold: its GPU profile's limit, or the node's own lower cap."""
-    return tp.max_layers if node.max_layers is None else min(tp.max_layers, node.max_layers)
+    """The most layers a node may hold: its GPU profile's limit, or the node's own lower cap (a cap
+    above the profile's limit is an error: :func:`check_profiles` names the file)."""
+    if node.max_layers is None:
+        return tp.max_layers
+    if node.max_layers > tp.max_layers:
+        raise ConfigError(f"node {node.id!r} has max_layers {node.max_layers} but the profile of GPU type "
+                          f"{node.gpu!r} allows at most {tp.max_layers}; a node's max_layers may only lower it")
+    return node.max_layers
 
 
 def load_profile_file(path: str | Path) -> ProfileSet:
@@ -237,9 +298,55 @@ def check_profiles(cluster: ClusterSpec, profiles: ProfileSet) -> None:
                 source=src,
                 field=f"nodes[{i}].gpu",
             )
+        node_cap, gpu_cap = node.max_layers, profiles.throughput(node.gpu, cluster.model).max_layers
+        if node_cap is not None and node_cap > gpu_cap:
+            files = ", ".join(str(p) for p in cluster.profile_paths())
+            raise ConfigError(
+                f"node {node.id!r} asks for max_layers {node_cap} but the profile of {node.gpu} for {cluster.model} "
+                f"({files}) allows at most {gpu_cap}; a node's max_layers may only lower its GPU's limit: raise "
+                f"max_layers of gpus.{node.gpu}.throughput.{cluster.model} in the profile (its KV list grows by the "
+                "rule in docs/profiler.md) or re-estimate it with a smaller KV reserve",
+                source=src, field=f"nodes[{i}].max_layers",
+            )  # fmt: skip
     num_layers = profiles.models[cluster.model].num_layers
     total = sum(node_max_layers(n, profiles.throughput(n.gpu, cluster.model)) for n in cluster.nodes)
     if total < num_layers:
+        lines = "\n".join(f"  {line}" for line in layer_limits(cluster, profiles))
         raise InfeasiblePlanError(
-            f"{src}: model {cluster.model!r} has {num_layers} layers but all nodes together hold at most {total}"
+            f"{src}: model {cluster.model!r} has {num_layers} layers but all nodes together hold at most {total}:\n"
+            f"{lines}\nto plan it: raise max_layers in the profile (up to what the weights alone allow; its KV "
+            "list grows by the rule in docs/profiler.md), re-estimate with a smaller KV reserve "
+            "(helix profile --estimate --kv-requests N / --kv-reserve-gb GB), or add nodes"
         )
+
+
+def layer_limits(cluster: ClusterSpec, profiles: ProfileSet) -> list[str]:
+    """One line per node kind (GPU type and node cap): how many layers each node holds and why."""
+    model = profiles.models[cluster.model]
+    kinds: dict[str, list[NodeSpec]] = {}
+    for node in cluster.nodes:
+        kinds.setdefault(node.kind, []).append(node)
+    out = []
+    for nodes in kinds.values():
+        node = nodes[0]
+        tp = profiles.throughput(node.gpu, cluster.model)
+        held = node_max_layers(node, tp)
+        ids = ", ".join(n.id for n in nodes)
+        head = f"{len(nodes)} x {node.gpu} ({ids}): {held} layers each"
+        if node.max_layers is not None:
+            out.append(f"{head}: the nodes' own max_layers in the cluster file (the profile allows {tp.max_layers})")
+            continue
+        why = f"the profile's max_layers for {node.gpu}"
+        kv = tp.kv_capacity_tokens_by_layers
+        if kv:
+            # the KV list's memory: entries next to one layer plus that layer's weights
+            usable = kv[0] * model.kv_bytes_per_token_per_layer + model.layer_weight_bytes
+            weights_only = int(usable // model.layer_weight_bytes)
+            kv_left = kv[held - 1] * model.kv_bytes_per_token_per_layer
+            why += (f"; its {usable / 1e9:.1f} GB for weights + KV hold the weights alone of {weights_only} layers "
+                    f"({model.layer_weight_bytes / 1e9:.2f} GB each); with {held} it keeps {kv_left / 1e9:.1f} GB "
+                    f"for KV ({kv[held - 1] / held:,.0f} tokens per layer)")  # fmt: skip
+        else:
+            why += f" ({profiles.gpus[node.gpu].vram_gb:g} GB VRAM; no kv_capacity_tokens_by_layers)"
+        out.append(f"{head}: {why}")
+    return out

@@ -11,7 +11,16 @@ from pathlib import Path
 
 from helix.errors import ConfigError
 
-CACHE_ROOT = Path(os.environ.get("HELIX_CACHE", Path.home() / ".cache" / "helix"))
+
+def cache_root() -> Path:
+    """Helix's cache directory, read from the environment now: ``$HELIX_CACHE``, else
+    ``$XDG_CACHE_HOME/helix``, else ``~/.cache/helix``."""
+    if os.environ.get("HELIX_CACHE"):
+        return Path(os.environ["HELIX_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "helix"
+
+
+CACHE_ROOT = cache_root()
 
 
 def smollm2_gguf_path() -> Path:

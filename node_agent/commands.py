@@ -14,9 +14,13 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from helix.errors import ConfigError, EngineError
+
+if TYPE_CHECKING:
+    from helix.spec import ClusterSpec
 
 log = logging.getLogger(__name__)
 
@@ -73,13 +77,57 @@ def run_agent(args: argparse.Namespace) -> int:
         raise ConfigError(f"must be 0 or more, got {args.gather_window_ms}", field="--gather-window-ms")
     if args.model_dir is not None and not Path(args.model_dir).is_dir():
         raise EngineError(f"{args.model_dir}: model directory not found (--model-dir)")
-    return serve_agent(node_id=args.node, layer_start=start, layer_end=end, model_dir=args.model_dir,
+    if plan.model != cluster.model:
+        raise ConfigError(f"the plan is for model {plan.model!r} but the cluster {args.cluster} serves "
+                          f"{cluster.model!r}", source=args.plan, field="model")  # fmt: skip
+    model_dir = args.model_dir or str(_default_model_dir())
+    check_weights(cluster, model_dir, node=args.node, layers=(start, end), plan_source=args.plan)
+    return serve_agent(node_id=args.node, layer_start=start, layer_end=end, model_dir=model_dir,
                        control_bind=control, data_bind=data, secret=secret.encode(),
                        kv_capacity_tokens=args.kv_capacity_tokens, max_batch_size=args.max_batch_size,
                        token_budget=args.token_budget, chunk_size=args.chunk_size or None,
                        wire_dtype=args.wire_dtype, threads=args.threads, max_frame_bytes=args.max_frame_bytes,
                        step_log=args.step_log.replace("{node}", args.node) if args.step_log else None,
                        gather_window_ms=args.gather_window_ms)  # fmt: skip
+
+
+def _default_model_dir() -> Path:
+    from node_agent.gguf_convert import cached_model_dir
+
+    return cached_model_dir()
+
+
+def check_weights(cluster: ClusterSpec, model_dir: str, *, node: str, layers: tuple[int, int],
+                  plan_source: str) -> None:  # fmt: skip
+    """Before anything loads: the weights are the cluster's model (layer count and hidden size
+    from the cluster's profiles) and hold the node's layers. Without readable profiles that
+    name the model, only the layer range can be checked, and a warning says so."""
+    from helix.profile import ProfileSet, load_profile_file
+    from node_agent.config import check_serves, load_config
+
+    config = load_config(model_dir)
+    paths = cluster.profile_paths()
+    where = ", ".join(str(p) for p in paths)
+    missing = [str(p) for p in paths if not p.is_file()]
+    profiles = ProfileSet()
+    for path in paths:
+        if path.is_file():
+            profiles = profiles.merged(load_profile_file(path))
+    expected = profiles.models.get(cluster.model)
+    if expected is not None:
+        check_serves(config, model_dir, model=cluster.model, num_layers=expected.num_layers,
+                     hidden_size=expected.hidden_size, where=where)  # fmt: skip
+    else:
+        why = f"profiles file not found: {', '.join(missing)}" if missing else f"{where} does not describe it"
+        log.warning("cannot check that the weights in %s (%s) are the cluster's model %r: %s", model_dir,
+                    config.name, cluster.model, why)  # fmt: skip
+    start, end = layers
+    if end > config.num_layers:
+        raise EngineError(
+            f"{plan_source}: node {node!r} holds layers [{start}, {end}) of {cluster.model!r} but the weights in "
+            f"{model_dir} are {config.name!r} with {config.num_layers} layers; pass --model-dir with "
+            f"the weights of {cluster.model!r}"
+        )
 
 
 def serve_agent(*, node_id: str, layer_start: int, layer_end: int, model_dir: str | None, control_bind: str,

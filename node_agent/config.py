@@ -9,7 +9,7 @@ newer ``rope_parameters`` block.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,7 @@ class ModelConfig:
     max_position_embeddings: int
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    name: str = ""  # what the weights call themselves: config.json's _name_or_path, else the dir's name
 
     def kv_bytes_per_token_per_layer(self, dtype_bytes: int = 4) -> int:
         """Bytes of K and V one token occupies in one layer."""
@@ -121,6 +122,7 @@ def parse_config(raw: dict[str, Any], source: str = "config.json") -> ModelConfi
         max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
+        name=str(raw.get("_name_or_path") or ""),
     )
 
 
@@ -133,4 +135,18 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise EngineError(f"{path}: not valid JSON ({exc})") from exc
-    return parse_config(raw, str(path))
+    config = parse_config(raw, str(path))
+    return config if config.name else replace(config, name=Path(model_dir).resolve().name)
+
+
+def check_serves(config: ModelConfig, model_dir: str | Path, *, model: str, num_layers: int, hidden_size: int,
+                 where: str) -> None:  # fmt: skip
+    """Refuse weights that are not the cluster's ``model`` (its layer count and hidden size, as
+    ``where`` — the cluster's profiles — gives them), naming both models."""
+    if (config.num_layers, config.hidden_size) == (num_layers, hidden_size):
+        return
+    raise EngineError(
+        f"the weights in {model_dir} are not the cluster's model: the cluster serves {model!r} ({num_layers} layers, "
+        f"hidden size {hidden_size}, from {where}) but the weights are {config.name!r} ({config.num_layers} layers, "
+        f"hidden size {config.hidden_size}); pass --model-dir with the weights of {model!r} (config.json + safetensors)"
+    )

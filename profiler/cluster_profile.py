@@ -8,11 +8,14 @@
    combined. Cached by model, device, dtype, settings and the set of nodes (the profiles file
    keys throughput by GPU type);
 2. its KV capacity and layer limit from the free memory a node of that type gets here
-   (free memory divided among the cluster's nodes on this host);
+   (free memory divided among the cluster's nodes on this host) and the KV reserve
+   (:mod:`profiler.kv_reserve`);
 3. every directed link whose two ends are on this machine, through ZeroMQ probes
    (:mod:`profiler.links`);
-4. merge the measured GPU types and model into the cluster's profiles file (other entries
-   are kept) and write the measured links to ``links-measured.yaml`` next to the cluster.
+4. write the measured GPU types and model to the output profiles file (default
+   ``profiles-measured.yaml`` next to the cluster; an existing file is merged into, its other
+   entries kept) and the measured links to ``links-measured.yaml`` beside it. The cluster's own
+   files are never written unless ``output`` names one; the cache is in the user's cache dir.
 """
 
 from __future__ import annotations
@@ -28,14 +31,21 @@ from typing import Any
 from helix.errors import ConfigError
 from helix.profile import GpuProfile, ModelProfile, ProfileSet, ThroughputProfile, load_profile_file
 from helix.spec import ClusterSpec
-from profiler.files import CACHE_DIR_NAME, ProfileCache, write_links, write_profiles
+from profiler.files import (
+    LINKS_FILE_NAME,
+    MEASURED_PROFILES_NAME,
+    ProfileCache,
+    default_cache_dir,
+    write_links,
+    write_profiles,
+)
+from profiler.kv_reserve import KvReserve
 from profiler.links import LinkMeasurement, ProbeSet, host_of, is_local
-from profiler.measure import MeasureSettings, device_name, free_memory_bytes, memory_limits
+from profiler.measure import MeasureSettings, default_reserve, device_name, free_memory_bytes, memory_limits
 from profiler.nodes import combine, measure_nodes
 
 log = logging.getLogger(__name__)
 
-LINKS_FILE_NAME = "links-measured.yaml"
 ENGINE_DTYPE = "float32"
 
 Notify = Callable[[str, str], None]  # (phase, message)
@@ -98,10 +108,12 @@ def _weights_fingerprint(model: str, model_dir: str | None) -> str:
     return hashlib.sha256(data).hexdigest()[:16]
 
 
-def _throughput(measured: dict[str, Any], free_bytes: float, settings: MeasureSettings) -> ThroughputProfile:
-    k_max, kv = memory_limits(measured, free_bytes, min_kv_tokens_per_layer=settings.min_kv_tokens_per_layer)
+def _throughput(measured: dict[str, Any], free_bytes: float, reserve: KvReserve) -> ThroughputProfile:
+    limit, kv = memory_limits(measured, free_bytes, reserve)
+    k_max = limit.max_layers
     if k_max < 1:
-        raise ConfigError(f"not enough free memory ({free_bytes / 1e9:.2f} GB) for one layer with its KV budget")
+        raise ConfigError(f"not enough free memory ({free_bytes / 1e9:.2f} GB) for one layer with its KV reserve: "
+                          f"{limit.explain()}", field="--kv-requests")  # fmt: skip
     return ThroughputProfile(
         max_layers=k_max,
         prefill_ms_per_layer=[tuple(p) for p in measured["prefill_ms_per_layer"]],
@@ -126,14 +138,18 @@ def profile_cluster(
     settings: MeasureSettings | None = None,
     notify: Notify | None = None,
     concurrent: bool = False,
+    cache_dir: str | Path | None = None,
+    kv_reserve: KvReserve | None = None,
 ) -> ClusterProfileResult:
-    """Measure the cluster's GPU types and links; write the profiles and links files."""
+    """Measure the cluster's GPU types and links; write the profiles file (``output``, default
+    ``profiles-measured.yaml`` next to the cluster) and the links file beside it."""
     t0 = time.perf_counter()
     say = notify or (lambda _phase, _msg: None)
     s = settings or MeasureSettings()
+    reserve = kv_reserve or default_reserve(s.min_kv_tokens_per_layer)
     base = Path(cluster.source).parent
     weights = _weights_fingerprint(cluster.model, model_dir)
-    cache = ProfileCache(base / CACHE_DIR_NAME)
+    cache = ProfileCache(cache_dir if cache_dir is not None else default_cache_dir())
     device = device_name()
     local_nodes = [n for n in cluster.nodes if is_local(host_of(n.address))]
     skipped = [n.id for n in cluster.nodes if n not in local_nodes]
@@ -141,7 +157,7 @@ def profile_cluster(
         raise ConfigError("no node of this cluster runs on this machine: run `helix profile` where the nodes are",
                           source=cluster.source, field="nodes")
     free = free_memory_bytes() / len(local_nodes)
-    result = ClusterProfileResult(profiles_path=Path(output) if output else cluster.profile_paths()[0],
+    result = ClusterProfileResult(profiles_path=Path(output) if output else base / MEASURED_PROFILES_NAME,
                                   links_path=None, profiles=ProfileSet())  # fmt: skip
 
     gpus: dict[str, GpuProfile] = {}
@@ -168,7 +184,7 @@ def profile_cluster(
     for gpu in types:
         measured = combine([per_node[n.id] for n in local_nodes if n.gpu == gpu and n.id in per_node])
         model_constants = measured
-        gpus[gpu] = GpuProfile(vram_gb=round(free / 1e9, 3), throughput={cluster.model: _throughput(measured, free, s)})
+        gpus[gpu] = GpuProfile(vram_gb=round(free / 1e9, 3), throughput={cluster.model: _throughput(measured, free, reserve)})
     assert model_constants is not None
     models = {cluster.model: ModelProfile(
         num_layers=model_constants["num_layers"], hidden_size=model_constants["hidden_size"],
@@ -180,14 +196,15 @@ def profile_cluster(
     if result.profiles_path.is_file():
         merged = load_profile_file(result.profiles_path).merged(measured_set)
     header = (f"Measured by `helix profile` on {device} ({ENGINE_DTYPE}) for cluster {cluster.name}.\n"
-              "Latency curves are per ONE layer; vram_gb is the free memory a node gets on this host.")
+              "Latency curves are per ONE layer; vram_gb is the free memory a node gets on this host.\n"
+              f"max_layers keeps the {reserve.describe()}.")
     write_profiles(result.profiles_path, merged, header)
     result.profiles = merged
 
     if measure_links:
         result.links = _measure_links(cluster, local_nodes, force=force, cache=cache, say=say)
         result.links_path = write_links(
-            base / LINKS_FILE_NAME, [m.as_dict() for m in result.links],
+            result.profiles_path.parent / LINKS_FILE_NAME, [m.as_dict() for m in result.links],
             f"Links of cluster {cluster.name} measured through ZeroMQ probes (bulk transfer + ping).\n"
             "Paste into the cluster's links: to plan with them.",
         )  # fmt: skip

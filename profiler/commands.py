@@ -1,8 +1,12 @@
 """``helix profile``: measure a cluster (engine + ZeroMQ), or estimate GPUs from spec sheets.
 
-* ``helix profile --cluster CLUSTER [--force]`` measures the cluster on this machine
-  (:mod:`profiler.cluster_profile`), merges the result into the cluster's profiles file and
-  writes ``links-measured.yaml`` next to it; a rerun is instant from the cache.
+* ``helix profile --cluster CLUSTER [--force] [-o PROFILES]`` measures the cluster on this
+  machine (:mod:`profiler.cluster_profile`), writes the result to ``-o`` (default
+  ``profiles-measured.yaml`` next to the cluster, never over its own files) and
+  ``links-measured.yaml`` beside it; a rerun is instant from the cache (in the user's cache dir).
+* ``--kv-requests``/``--kv-context-tokens`` or ``--kv-reserve-gb`` choose the KV reserve that
+  decides every GPU's ``max_layers`` (:mod:`profiler.kv_reserve`); ``--estimate`` prints what
+  limits each GPU.
 * ``helix profile --estimate --gpus A100,L4,T4 --model llama-2-70b -o profiles.yaml`` writes
   roofline estimates (:mod:`profiler.roofline`); ``--model-config`` takes a ``config.json``
   instead of a built-in model, and ``--cluster`` with ``--estimate`` takes the GPU types and
@@ -20,6 +24,9 @@ from rich.table import Table
 from helix.errors import ConfigError
 from helix.profile import ProfileSet
 from helix.spec import load_cluster
+from profiler.files import LINKS_FILE_NAME, MEASURED_PROFILES_NAME
+from profiler.kv_reserve import DEFAULT_KV_CONTEXT_TOKENS, DEFAULT_KV_REQUESTS, KvReserve
+from profiler.measure import DEFAULT_MIN_KV_TOKENS_PER_LAYER
 
 
 def add_profile_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,12 +36,48 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", metavar="NAME", help="built-in model for --estimate (e.g. llama-2-70b)")
     p.add_argument("--model-config", metavar="PATH", help="config.json (or YAML) of the model for --estimate")
     p.add_argument("--dtype-bytes", type=int, metavar="N", help="bytes per weight/KV value for --estimate (default 2)")
-    p.add_argument("-o", "--output", metavar="PROFILES", help="profiles file to write (measuring: merged into it)")
+    kv = p.add_argument_group(
+        "KV reserve (what decides max_layers)",
+        "A GPU may hold k layers when their weights and the KV reserve fit its memory. Give a target load "
+        "(--kv-requests x --kv-context-tokens of KV in every layer held) or a fixed --kv-reserve-gb per GPU. "
+        f"Default: {DEFAULT_KV_REQUESTS} requests x {DEFAULT_KV_CONTEXT_TOKENS} tokens with --estimate "
+        f"(the paper's A100/L4/T4 limits), {DEFAULT_MIN_KV_TOKENS_PER_LAYER} tokens per layer when measuring "
+        "(the agent's --kv-capacity-tokens).",
+    )
+    kv.add_argument("--kv-requests", type=int, metavar="N",
+                    help=f"concurrent requests a node keeps KV for in every layer it holds (default {DEFAULT_KV_REQUESTS})")
+    kv.add_argument("--kv-context-tokens", type=int, metavar="T",
+                    help=f"context tokens (prompt + output) of each of those requests (default {DEFAULT_KV_CONTEXT_TOKENS})")
+    kv.add_argument("--kv-reserve-gb", type=float, metavar="GB",
+                    help="instead: keep GB (10^9 bytes) of every GPU for KV whatever it holds")
+    p.add_argument("-o", "--output", metavar="PROFILES",
+                   help="profiles file to write; an existing one is merged into (its other entries kept). "
+                        "--estimate: without -o the estimate is only printed. Measuring: default "
+                        f"{MEASURED_PROFILES_NAME} next to the cluster (never the cluster's own profiles files "
+                        f"unless you name one here); the measured links go to {LINKS_FILE_NAME} beside it")
     p.add_argument("--force", action="store_true", help="measure again even if the cache has results")
     p.add_argument("--model-dir", metavar="DIR", help="engine model dir to measure (default: SmolLM2-135M)")
     p.add_argument("--no-links", action="store_true", help="do not measure links")
     p.add_argument("--concurrent", action="store_true",
                    help="measure every co-located node at the same time (they share cores when serving)")
+
+
+def kv_reserve_from(args: argparse.Namespace, default: KvReserve) -> KvReserve:
+    """The KV reserve the options ask for (``default`` when none is given)."""
+    requests, context, gb = args.kv_requests, args.kv_context_tokens, args.kv_reserve_gb
+    if gb is not None:
+        if requests is not None or context is not None:
+            raise ConfigError("give either --kv-reserve-gb or --kv-requests/--kv-context-tokens, not both",
+                              field="--kv-reserve-gb")  # fmt: skip
+        if gb < 0:
+            raise ConfigError(f"must be 0 or more, got {gb:g}", field="--kv-reserve-gb")
+        return KvReserve.fixed_gb(gb)
+    for flag, value in (("--kv-requests", requests), ("--kv-context-tokens", context)):
+        if value is not None and value < 1:
+            raise ConfigError(f"must be 1 or more, got {value}", field=flag)
+    if requests is None and context is None:
+        return default
+    return KvReserve.for_requests(requests or DEFAULT_KV_REQUESTS, context or DEFAULT_KV_CONTEXT_TOKENS)
 
 
 def run_profile(args: argparse.Namespace) -> int:
@@ -50,7 +93,7 @@ def run_profile(args: argparse.Namespace) -> int:
 
 def _run_estimate(args: argparse.Namespace) -> int:
     from profiler.gpus import gpu_spec, load_model_shape
-    from profiler.roofline import estimate_profiles
+    from profiler.roofline import Roofline, estimate_profiles
 
     cluster = load_cluster(args.cluster) if args.cluster else None
     model_arg = args.model_config or args.model or (cluster.model if cluster else None)
@@ -65,13 +108,19 @@ def _run_estimate(args: argparse.Namespace) -> int:
         names = sorted({n.gpu for n in cluster.nodes})
     else:
         raise ConfigError("give --gpus A100,L4,... (or --cluster)", field="--gpus")
-    profiles = estimate_profiles({name: gpu_spec(name) for name in names}, shape)
+    roofline = Roofline(kv_reserve=kv_reserve_from(args, KvReserve()))
+    specs = {name: gpu_spec(name) for name in names}
+    profiles = estimate_profiles(specs, shape, roofline)
     console = Console(highlight=False)
     print_profiles(console, profiles, title=f"roofline estimate: {shape.name}")
+    console.print(f"layer limits with a {roofline.kv_reserve.describe()}:")
+    for name, spec in specs.items():
+        console.print(f"  {name} ({spec.vram_gb:g} GB VRAM): {roofline.layer_limit(spec, shape).explain()}")
     if args.output:
         from profiler.files import write_profiles
 
         write_profiles(args.output, profiles, f"Roofline estimates (helix profile --estimate) for {shape.name}.\n"
+                       f"max_layers keeps the {roofline.kv_reserve.describe()}.\n"
                        "See docs/profiler.md for the model; latency curves are per ONE layer.")  # fmt: skip
         console.print(f"profiles written to [bold]{args.output}[/]")
     return 0
@@ -111,6 +160,7 @@ def _run_measure(args: argparse.Namespace) -> int:
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from profiler.cluster_profile import profile_cluster
+    from profiler.measure import default_reserve
 
     cluster = load_cluster(args.cluster)
     if args.model_dir is not None and not Path(args.model_dir).is_dir():
@@ -124,8 +174,8 @@ def _run_measure(args: argparse.Namespace) -> int:
             progress.update(task, description=message, phase=phase)
 
         result = profile_cluster(cluster, model_dir=args.model_dir, force=args.force, output=args.output,
-                                 measure_links=not args.no_links, notify=notify,
-                                 concurrent=args.concurrent)  # fmt: skip
+                                 measure_links=not args.no_links, notify=notify, concurrent=args.concurrent,
+                                 kv_reserve=kv_reserve_from(args, default_reserve()))  # fmt: skip
     measured = {g: result.profiles.gpus[g] for g in (*result.measured, *result.cache_hits)}
     print_profiles(console, ProfileSet(models=result.profiles.models, gpus=measured),
                    title=f"{cluster.name}: measured on this machine")  # fmt: skip
@@ -138,8 +188,12 @@ def _run_measure(args: argparse.Namespace) -> int:
         console.print(table)
     cached = f" (cache hits: {', '.join(result.cache_hits)})" if result.cache_hits else ""
     console.print(f"profiles written to [bold]{result.profiles_path}[/]{cached}")
+    listed = {p.resolve() for p in cluster.profile_paths()}
+    if result.profiles_path.resolve() not in listed:
+        console.print(f"to plan with them, list it last in {cluster.source}'s profiles: (later files win), "
+                      f"or pass it as -o next time to merge into one of its files")  # fmt: skip
     if result.links_path:
-        console.print(f"measured links written to [bold]{result.links_path}[/]")
+        console.print(f"measured links written to [bold]{result.links_path}[/] (paste them into the cluster's links:)")
     if result.skipped_nodes:
         console.print(f"[yellow]not on this machine, not measured:[/] {', '.join(result.skipped_nodes)}")
     console.print(f"done in {result.wall_s:.1f} s")

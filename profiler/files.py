@@ -1,10 +1,12 @@
 """Writing what the profiler produced: the profiles file, the measured links, the cache.
 
 The profiles file is the ``ProfileSet`` format of :mod:`helix.profile` (read back with
-``helix.profile.load_profile_file``). Measured links are a small YAML next to the cluster
-(``links-measured.yaml``) with the same ``links:`` entries a cluster file takes, so a user can
-paste them into the cluster. The cache (``.helix-profile-cache/`` next to the cluster) keeps one
-JSON file per (model, device, dtype) measurement so a rerun is instant unless ``--force``.
+``helix.profile.load_profile_file``); measuring writes it to ``profiles-measured.yaml`` next to
+the cluster unless told otherwise (never over the cluster's own profiles files by default).
+Measured links are a small YAML beside it (``links-measured.yaml``) with the same ``links:``
+entries a cluster file takes, so a user can paste them into the cluster. The cache keeps one
+JSON file per (model, device, dtype, ...) measurement so a rerun is instant unless ``--force``;
+it lives in the user's cache directory (:func:`default_cache_dir`), never in the checkout.
 """
 
 from __future__ import annotations
@@ -17,8 +19,16 @@ from typing import Any
 import yaml
 
 from helix.profile import ProfileSet
+from helix.smollm2 import cache_root
 
-CACHE_DIR_NAME = ".helix-profile-cache"
+MEASURED_PROFILES_NAME = "profiles-measured.yaml"
+LINKS_FILE_NAME = "links-measured.yaml"
+
+
+def default_cache_dir() -> Path:
+    """Where measurements are cached: ``profile/`` under Helix's cache root (``$HELIX_CACHE``,
+    else ``$XDG_CACHE_HOME/helix``, else ``~/.cache/helix``)."""
+    return cache_root() / "profile"
 
 
 def write_profiles(path: str | Path, profiles: ProfileSet, header: str = "") -> Path:

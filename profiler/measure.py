@@ -24,7 +24,8 @@ one-layer probe that stays in cache made decode look up to twice as cheap as it 
 KV capacity comes from free memory (``MemAvailable`` on CPU, ``torch.cuda.mem_get_info`` on a
 GPU) divided among the nodes sharing the device, times ``MEMORY_UTILIZATION``, minus the
 weights of the layers held, over the engine's KV bytes per token per layer; the layer limit is
-the most layers whose weights fit while every layer keeps ``min_kv_tokens_per_layer`` of KV.
+the most layers whose weights fit beside the KV reserve (:mod:`profiler.kv_reserve`; by default
+``min_kv_tokens_per_layer`` of KV in every layer held).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from helix.errors import ConfigError
+from profiler.kv_reserve import KvReserve, LayerLimit
 
 log = logging.getLogger(__name__)
 
@@ -433,13 +435,16 @@ def _slopes(short: list[float], long: list[float], short_layers: int, long_layer
     return [max((b - a) / span, b / long_layers / 4) for a, b in zip(short, long, strict=True)]
 
 
-def memory_limits(
-    measured: dict[str, Any], free_bytes: float, *, min_kv_tokens_per_layer: int = DEFAULT_MIN_KV_TOKENS_PER_LAYER
-) -> tuple[int, list[float]]:
-    """(max_layers, kv_capacity_tokens_by_layers) for a node with ``free_bytes`` of memory."""
-    usable = free_bytes * MEMORY_UTILIZATION
-    w = measured["layer_weight_bytes"]
-    kv_b = measured["kv_bytes_per_token_per_layer"]
-    per_layer = w + min_kv_tokens_per_layer * kv_b
-    k_max = min(measured["num_layers"], int(usable // per_layer))
-    return k_max, [float(int((usable - k * w) // kv_b)) for k in range(1, k_max + 1)]
+def memory_limits(measured: dict[str, Any], free_bytes: float, reserve: KvReserve) -> tuple[LayerLimit, list[float]]:
+    """What limits the layers a node with ``free_bytes`` of memory may hold, and its
+    ``kv_capacity_tokens_by_layers`` up to that limit (KV entries left next to k layers)."""
+    limit = LayerLimit(usable_bytes=free_bytes * MEMORY_UTILIZATION, layer_weight_bytes=measured["layer_weight_bytes"],
+                       kv_bytes_per_token_per_layer=measured["kv_bytes_per_token_per_layer"],
+                       num_layers=measured["num_layers"], reserve=reserve)  # fmt: skip
+    w, kv_b, usable = limit.layer_weight_bytes, limit.kv_bytes_per_token_per_layer, limit.usable_bytes
+    return limit, [float(int((usable - k * w) // kv_b)) for k in range(1, limit.max_layers + 1)]
+
+
+def default_reserve(tokens_per_layer: int = DEFAULT_MIN_KV_TOKENS_PER_LAYER) -> KvReserve:
+    """Measuring's default KV reserve: ``tokens_per_layer`` (the agent's --kv-capacity-tokens) per layer."""
+    return KvReserve(tokens_per_layer=tokens_per_layer, why=f"{tokens_per_layer} tokens per layer, as an agent keeps")

@@ -19,10 +19,11 @@ average half its prompt). Memory: usable bytes = ``vram * MEMORY_UTILIZATION - R
 (CUDA context, activations, allocator slack), and with ``k`` layers held::
 
     kv_capacity_tokens_by_layers[k-1] = (usable - k W) / kv_b      (token x layer entries)
-    max_layers = the largest k whose KV leaves every layer MIN_KV_TOKENS_PER_LAYER tokens
+    max_layers = the largest k whose weights leave the KV reserve (profiler.kv_reserve)
 
-``MIN_KV_TOKENS_PER_LAYER`` (256 requests of the Azure trace's mean context) is the rule that
-reproduces the paper's layer limits for A100/L4/T4 (12/7/4 layers of LLaMA-2 70B). The
+The default reserve (256 requests of the Azure trace's mean context in every layer held) is the
+rule that reproduces the paper's layer limits for A100/L4/T4 (12/7/4 layers of LLaMA-2 70B);
+``helix profile --estimate --kv-requests/--kv-context-tokens/--kv-reserve-gb`` changes it. The
 efficiencies are one constant for every GPU — not fitted per GPU — so the comparison with the
 paper's measured tables (``bench/roofline.py``) says how far a spec sheet is from reality.
 """
@@ -41,13 +42,13 @@ from helix.profile import (
     ThroughputProfile,
 )
 from profiler.gpus import GpuSpec, ModelShape
+from profiler.kv_reserve import KvReserve, LayerLimit
 
 COMPUTE_EFF = 0.6  # share of peak tensor FLOP/s a large GEMM reaches
 MEMORY_EFF = 0.8  # share of peak bandwidth a streaming read reaches
 LAYER_OVERHEAD_MS = 0.02  # kernel launches per layer per step
 MEMORY_UTILIZATION = 0.9  # vLLM's default gpu_memory_utilization
 RESERVE_BYTES = 1.6e9  # CUDA context + activation workspace
-MIN_KV_TOKENS_PER_LAYER = 256 * (AZURE_MEAN_PROMPT_TOKENS + AZURE_MEAN_OUTPUT_TOKENS)
 
 PREFILL_BATCH_TOKENS = (128, 256, 512, 1024, 2048, 3072, 4096, 6144, 8192)
 DECODE_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512)
@@ -62,7 +63,7 @@ class Roofline:
     layer_overhead_ms: float = LAYER_OVERHEAD_MS
     memory_utilization: float = MEMORY_UTILIZATION
     reserve_bytes: float = RESERVE_BYTES
-    min_kv_tokens_per_layer: float = MIN_KV_TOKENS_PER_LAYER
+    kv_reserve: KvReserve = KvReserve()
     prompt_tokens: float = AZURE_MEAN_PROMPT_TOKENS
     output_tokens: float = AZURE_MEAN_OUTPUT_TOKENS
 
@@ -97,10 +98,15 @@ class Roofline:
         free = self.usable_bytes(gpu) - layers * model.layer_weight_bytes
         return max(0.0, free / model.kv_bytes_per_token_per_layer)
 
+    def layer_limit(self, gpu: GpuSpec, model: ModelShape) -> LayerLimit:
+        """What limits the layers ``gpu`` may hold: usable memory, weights and the KV reserve."""
+        return LayerLimit(usable_bytes=self.usable_bytes(gpu), layer_weight_bytes=model.layer_weight_bytes,
+                          kv_bytes_per_token_per_layer=model.kv_bytes_per_token_per_layer,
+                          num_layers=model.num_layers, reserve=self.kv_reserve)  # fmt: skip
+
     def max_layers(self, gpu: GpuSpec, model: ModelShape) -> int:
-        """The most layers whose weights fit while each keeps the minimum KV budget."""
-        per_layer = model.layer_weight_bytes + self.min_kv_tokens_per_layer * model.kv_bytes_per_token_per_layer
-        return min(model.num_layers, int(self.usable_bytes(gpu) // per_layer))
+        """The most layers whose weights fit while the KV reserve is kept."""
+        return self.layer_limit(gpu, model).max_layers
 
 
 def model_profile(model: ModelShape) -> ModelProfile:
@@ -121,11 +127,12 @@ def estimate_throughput(gpu: GpuSpec, model: ModelShape, roofline: Roofline | No
     simulator interpolating them charges nothing for an absent phase.
     """
     rl = roofline or Roofline()
-    k_max = rl.max_layers(gpu, model)
+    limit = rl.layer_limit(gpu, model)
+    k_max = limit.max_layers
     if k_max < 1:
         raise InfeasiblePlanError(
-            f"{gpu.name} ({gpu.vram_gb:g} GB) cannot hold one layer of {model.name} "
-            f"({model.layer_weight_bytes / 1e9:.2f} GB) with its KV budget"
+            f"{gpu.name} ({gpu.vram_gb:g} GB) cannot hold one layer of {model.name} with its KV reserve: "
+            f"{limit.explain()} (a smaller --kv-requests, --kv-context-tokens or --kv-reserve-gb may fit)"
         )
     return ThroughputProfile(
         max_layers=k_max,

@@ -33,8 +33,13 @@ def demo(tmp_path: Path) -> Path:
 
 def test_profile_demo_cluster_writes_loadable_profiles_and_links(demo: Path) -> None:
     cluster = load_cluster(demo)
+    own = (demo.parent / "profiles-smollm2.yaml").read_bytes()
     result = profile_cluster(cluster, settings=QUICK)
     assert result.measured == ["cpu"] and not result.cache_hits
+    assert result.profiles_path == demo.parent / "profiles-measured.yaml"  # not over the cluster's own file
+    assert (demo.parent / "profiles-smollm2.yaml").read_bytes() == own
+    listed = yaml.safe_load(demo.read_text()) | {"profiles": ["profiles-smollm2.yaml", "profiles-measured.yaml"]}
+    demo.write_text(yaml.safe_dump(listed))
     profiles = load_profiles_for(load_cluster(demo))  # the planner's loader accepts what we wrote
     tp = profiles.throughput("cpu", cluster.model)
     assert tp.tok_s is None and tp.prefill_ms_per_layer and tp.decode_ms_per_layer
@@ -210,5 +215,5 @@ def test_concurrent_profile_measures_every_colocated_node_together(demo: Path) -
     # the three measuring processes wait for each other (LOADED / go) before timing anything
     result = profile_cluster(load_cluster(demo), settings=QUICK, concurrent=True, measure_links=False)
     assert sorted(result.per_node) == ["cpu-0", "cpu-1", "cpu-2"]
-    tp = load_profiles_for(load_cluster(demo)).throughput("cpu", "smollm2-135m")
+    tp = load_profile_file(result.profiles_path).throughput("cpu", "smollm2-135m")
     assert tp.decode_ms_per_layer and all(ms > 0 for b, ms in tp.decode_ms_per_layer if b > 0)
