@@ -1,6 +1,6 @@
 """The optimizer on synthetic geo clusters: 5 GPU types, 3 regions, slow inter-region links.
 
-``synthetic(n)`` is the recipe behind the 100-node figures in docs/planner-optimizer.md
+``synthetic(n)`` is the recipe behind the 100-node figures in docs/notes/planner-results.md
 (there: 12 A100, 16 V100, 20 A10, 24 L4, 28 T4, seed 42); the test runs a 40-node one.
 """
 
