@@ -44,6 +44,7 @@ class Plan(BaseModel):
     flows: list[FlowEdge] = []
     bottleneck: list[str] = []
     status: str = "feasible"
+    stop_reason: str | None = None  # why the search stopped: bound_met | stalled | time_limit (None: no search)
     wall_s: float = 0.0
     solver: str | None = None
     objective: str | None = None
@@ -165,3 +166,19 @@ def load_plan(path: str | Path) -> Plan:
     """Read a plan file (JSON or YAML). Callers run :func:`check_plan` against their cluster."""
     p = Path(path)
     return parse_plan(read_document(p), str(p))
+
+
+def load_placement(path: str | Path, *, cluster: str, model: str) -> Plan:
+    """Read a file whose placement is to be evaluated: a complete plan, or a hand-written one
+    with just ``placement`` (and usually ``cluster``, ``model``). What evaluation computes or
+    does not need may be missing: ``method`` reads ``"given"`` and ``cluster`` / ``model``
+    the given ones; without ``max_flow_tok_s`` it reads 0 and the file's flows are ignored
+    (evaluation computes both). Unknown fields are still errors. Plans read for serving
+    use :func:`load_plan`: they must be complete."""
+    p = Path(path)
+    data = read_document(p)
+    if isinstance(data, dict):
+        data = {"cluster": cluster, "model": model, "method": "given", **data}
+        if "max_flow_tok_s" not in data:
+            data.update(max_flow_tok_s=0.0, flows=[])
+    return parse_plan(data, str(p))

@@ -1,4 +1,5 @@
-"""The planner's entry points: :func:`make_plan`, :func:`evaluate_placement`, :func:`load_checked_plan`.
+"""The planner's entry points: :func:`make_plan`, :func:`evaluate_plan`, :func:`load_checked_plan` (a
+complete plan, e.g. for serving) and :func:`load_for_evaluation` (a placement, possibly hand-written).
 
 ``make_plan`` runs one method — our optimizer (``helix``, in ``planner.optimize``), the
 paper's MILP (``paper-milp``, ``planner.milp``) or a baseline (``planner.baselines``) —
@@ -11,15 +12,15 @@ coverage, layer limits, flow conservation) and ``check_flows`` (capacities).
 from __future__ import annotations
 
 import inspect
-import time
 from pathlib import Path
 from typing import Any
 
 from helix.errors import ConfigError, HelixError, InfeasiblePlanError
-from helix.plan import FlowEdge, Plan, check_plan, load_plan
+from helix.plan import FlowEdge, Plan, check_plan, load_placement, load_plan
 from helix.profile import ProfileSet
 from helix.spec import ClusterSpec
 from planner import baselines
+from planner.budget import BOUND_MET, TIME_LIMIT, Deadline
 from planner.graph import CapacityModel, Placement, check_flows, evaluate
 from planner.metrics import placement_stats
 from planner.progress import ProgressFn
@@ -79,18 +80,25 @@ def make_plan(
     solver: str = "highs",
     seed: int = 0,
     on_progress: ProgressFn | None = None,
+    stall_s: float | None = None,
+    deadline: Deadline | None = None,
 ) -> Plan:
-    """Plan ``cluster`` with ``method`` and return a checked :class:`Plan`."""
+    """Plan ``cluster`` with ``method`` and return a checked :class:`Plan`.
+
+    The whole call (search, bound, final evaluation) ends by ``deadline`` (default:
+    ``time_limit_s`` from now) plus the plan's final check; ``helix`` stops earlier when its
+    incumbent meets the bound or has not improved for ``stall_s`` (``planner.budget``)."""
+    deadline = deadline if deadline is not None else Deadline.after(time_limit_s)
+    t0 = deadline.clock()
     if method not in METHODS:
         raise ConfigError(f"unknown method {method!r} (choose from {', '.join(METHODS)})", field="--method")
     if objective not in OBJECTIVES:
         raise ConfigError(f"unknown objective {objective!r} (choose from {', '.join(OBJECTIVES)})", field="--objective")
-    t0 = time.monotonic()
     cap = CapacityModel.build(cluster, profiles)
     if warm_start is not None:
         _check_placement(cap, warm_start, source="--warm-start")
     bound, bound_method = network_free_bound(cap), NETWORK_FREE
-    status, solver_name = "heuristic", None
+    status, solver_name, stop_reason = "heuristic", None, None
     score: dict[str, float] = {}
     stats: dict[str, Any] = {}
     given_flows: list[FlowEdge] = []
@@ -107,6 +115,7 @@ def make_plan(
             cap,
             partial_handoffs=partial_handoffs,
             time_limit_s=time_limit_s,
+            deadline=deadline,
             threads=threads,
             solver=solver,
             warm_start=start,
@@ -116,6 +125,7 @@ def make_plan(
         )
         placement, bound, bound_method = res.placement, res.upper_bound_tok_s, res.bound_method
         status, solver_name, stats = res.status, res.solver, dict(res.stats)
+        stop_reason = BOUND_MET if res.status in ("optimal", "reached_target") else TIME_LIMIT
     else:
         warm = [warm_start] if warm_start is not None else []
         warm += list(baseline_placements(cluster, profiles, cap).values())
@@ -131,6 +141,8 @@ def make_plan(
             stop_at_bound_gap=0.0 if stop_at_bound else None,
             seed=seed,
             on_progress=on_progress,
+            stall_s=stall_s,
+            deadline=deadline,
         )
         placement = dict(res.placement)
         if res.upper_bound_tok_s is not None:
@@ -139,6 +151,7 @@ def make_plan(
         score = {k: float(v) for k, v in (getattr(res, "score", None) or {}).items() if isinstance(v, int | float)}
         stats = dict(getattr(res, "stats", None) or {})
         given_flows = list(getattr(res, "flows", None) or [])
+        stop_reason = getattr(res, "stop_reason", None)
     return finish_plan(
         cluster,
         profiles,
@@ -150,11 +163,12 @@ def make_plan(
         bound_method=bound_method,
         status=status,
         solver=solver_name,
-        wall_s=time.monotonic() - t0,
+        wall_s=deadline.clock() - t0,
         score=score,
         stats=stats,
         cap=cap,
         flows=given_flows,
+        stop_reason=stop_reason,
     )
 
 
@@ -175,6 +189,7 @@ def finish_plan(
     stats: dict[str, Any] | None = None,
     cap: CapacityModel | None = None,
     flows: list[FlowEdge] | None = None,
+    stop_reason: str | None = None,
 ) -> Plan:
     """Evaluate a placement on the cluster graph and wrap it as a checked plan.
 
@@ -201,6 +216,7 @@ def finish_plan(
         flows=result.flows,
         bottleneck=result.bottleneck,
         status=status,
+        stop_reason=stop_reason,
         wall_s=round(wall_s, 3),
         solver=solver,
         objective=objective,
@@ -262,6 +278,18 @@ def load_checked_plan(path: str | Path, cluster: ClusterSpec, profiles: ProfileS
     return plan
 
 
+def load_for_evaluation(path: str | Path, cluster: ClusterSpec, profiles: ProfileSet) -> tuple[Plan, list[str]]:
+    """Read a placement to evaluate — a complete plan, or a hand-written ``cluster``, ``model``,
+    ``placement`` — and check it against the cluster. Returns the plan and warnings for the
+    user (a plan written for a cluster of another name is evaluated, with a warning)."""
+    plan = load_placement(path, cluster=cluster.name, model=cluster.model)
+    check_plan_against(plan, cluster, CapacityModel.build(cluster, profiles), source=str(path))
+    warnings = []
+    if plan.cluster != cluster.name:
+        warnings.append(f"{path}: the plan names cluster {plan.cluster!r}; evaluating its placement on {cluster.name!r}")
+    return plan, warnings
+
+
 def evaluate_plan(cluster: ClusterSpec, profiles: ProfileSet, plan: Plan, *, partial_handoffs: bool = True) -> Plan:
     """Recompute a plan's max flow, flows and bottleneck on this cluster (keeps its method)."""
     return finish_plan(
@@ -286,6 +314,7 @@ __all__ = [
     "evaluate_plan",
     "finish_plan",
     "load_checked_plan",
+    "load_for_evaluation",
     "make_plan",
     "network_free_bound",
     "serving_estimate",

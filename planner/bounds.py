@@ -28,12 +28,12 @@ bound is min(1..3).
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from planner.highs_model import Model, run
+from planner.budget import Deadline
+from planner.highs_model import Model, new_highs, run
 from planner.instance import Instance
 
 MAX_CONFIGS = 6000
@@ -130,7 +130,9 @@ def configuration_feasible(inst: Instance, flow: float, *, time_limit_s: float =
     return None
 
 
-def configuration_lp_feasible(inst: Instance, flow: float, *, time_limit_s: float = 10.0) -> bool | None:
+def configuration_lp_feasible(
+    inst: Instance, flow: float, *, time_limit_s: float = 10.0, deadline: Deadline | None = None
+) -> bool | None:
     """The LP relaxation of the layer-configuration model, by column generation.
 
     With n_{t,k} continuous they can be eliminated: a node of type t holding k layers lends
@@ -141,10 +143,11 @@ def configuration_lp_feasible(inst: Instance, flow: float, *, time_limit_s: floa
 
     and ``flow`` is reachable only if the optimum is >= L. Pricing (duals pi_t) is a covering
     knapsack solved exactly by HiGHS: minimize sum_{t,k} pi_t m_{t,k} / k subject to
-    sum_{t,k} T_t(k) m_{t,k} >= flow, 0 <= m_{t,k} <= N_t integer. False is a proof."""
+    sum_{t,k} T_t(k) m_{t,k} >= flow, 0 <= m_{t,k} <= N_t integer. False is a proof.
+    Stops undecided (None) at ``deadline`` or after ``time_limit_s``, whichever is first."""
     import highspy
 
-    deadline = time.monotonic() + time_limit_s
+    deadline = (deadline or Deadline.after(time_limit_s)).within(time_limit_s)
     counts = inst.counts()
     types = inst.types
     kinds = [(t, k) for t in types for k in range(1, inst.gpus[t].max_layers + 1)]
@@ -158,9 +161,9 @@ def configuration_lp_feasible(inst: Instance, flow: float, *, time_limit_s: floa
     if not cols:
         cols.append([counts[t] + 1.0 for t in types])  # a dummy that no budget affords
     L = float(inst.num_layers)
-    while time.monotonic() < deadline:
-        h = highspy.Highs()
-        h.setOptionValue("output_flag", False)
+    while not deadline.expired():
+        h = new_highs()
+        h.setOptionValue("time_limit", deadline.solver_limit())
         h.setOptionValue("threads", 1)
         h.setOptionValue("presolve", "off")
         m = len(cols)
@@ -179,7 +182,7 @@ def configuration_lp_feasible(inst: Instance, flow: float, *, time_limit_s: floa
         price = Model()
         mcols = [price.add_col(0, counts[t], cost=duals[types.index(t)] / k, integer=True) for t, k in kinds]
         price.add_row(mcols, [inst.gpus[t].tok_s[k - 1] for t, k in kinds], lo=flow)
-        sol = price.solve(time_limit_s=max(0.05, deadline - time.monotonic()), mip_gap=0.0)
+        sol = price.solve(time_limit_s=deadline.solver_limit(), mip_gap=0.0)
         if sol.status != "optimal":
             return None
         if sol.objective >= 1 - 1e-9:  # no column improves: the LP optimum is proven < L
@@ -190,17 +193,19 @@ def configuration_lp_feasible(inst: Instance, flow: float, *, time_limit_s: floa
 
 
 def configuration_bound(
-    inst: Instance, *, lower: float, upper: float, time_limit_s: float = 20.0, rel_tol: float = 1e-5
+    inst: Instance, *, lower: float, upper: float, time_limit_s: float = 20.0, rel_tol: float = 1e-5,
+    deadline: Deadline | None = None,
 ) -> float:
     """Bisect the layer-configuration relaxation between a feasible ``lower`` (e.g. an achieved
-    max flow) and a valid ``upper``; returns the smallest flow proven unreachable (or ``upper``)."""
-    deadline = time.monotonic() + time_limit_s
+    max flow) and a valid ``upper``; returns the smallest flow proven unreachable (or ``upper``).
+    Stops with what it has proven at ``deadline`` or after ``time_limit_s``."""
+    deadline = (deadline or Deadline.after(time_limit_s)).within(time_limit_s)
     lo, hi = lower, upper
-    if configuration_lp_feasible(inst, hi, time_limit_s=max(0.1, deadline - time.monotonic())) is not False:
+    if deadline.expired() or configuration_lp_feasible(inst, hi, deadline=deadline) is not False:
         return upper
-    while hi - lo > rel_tol * hi and time.monotonic() < deadline:
+    while hi - lo > rel_tol * hi and not deadline.expired():
         mid = (lo + hi) / 2
-        res = configuration_lp_feasible(inst, mid, time_limit_s=max(0.1, deadline - time.monotonic()))
+        res = configuration_lp_feasible(inst, mid, deadline=deadline)
         if res is False:
             hi = mid
         elif res is True:
@@ -210,13 +215,24 @@ def configuration_bound(
     return hi
 
 
-def upper_bound(inst: Instance, *, achieved: float, time_limit_s: float = 20.0) -> Bound:
+def cheap_bound(inst: Instance) -> Bound:
+    """min(area, coordinator): proven instantly, no solver."""
     area = area_bound(inst)
     coord = coordinator_bound(inst)
-    best = Bound(area, "area: sum_i max_k k*T_i(k) / L")
-    if coord < best.tok_s:
-        best = Bound(coord, "coordinator links/NIC")
-    cfg = configuration_bound(inst, lower=min(achieved, best.tok_s), upper=best.tok_s, time_limit_s=time_limit_s)
+    if coord < area:
+        return Bound(coord, "coordinator links/NIC")
+    return Bound(area, "area: sum_i max_k k*T_i(k) / L")
+
+
+def upper_bound(
+    inst: Instance, *, achieved: float, time_limit_s: float = 20.0, deadline: Deadline | None = None
+) -> Bound:
+    """The best bound proven before ``deadline`` (or within ``time_limit_s``): the cheap ones,
+    tightened by the layer-configuration LP when there is time."""
+    best = cheap_bound(inst)
+    cfg = configuration_bound(
+        inst, lower=min(achieved, best.tok_s), upper=best.tok_s, time_limit_s=time_limit_s, deadline=deadline
+    )
     if cfg < best.tok_s:
         best = Bound(
             cfg,

@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from helix.errors import ConfigError, HelixError
 from helix.plan import Plan, node_inflow
@@ -26,10 +28,12 @@ from planner.api import (
     baseline_placements,
     evaluate_plan,
     finish_plan,
-    load_checked_plan,
+    load_for_evaluation,
     make_plan,
     serving_estimate,
 )
+from planner.budget import Clock, Deadline, describe_stop
+from planner.console import print_table
 from planner.graph import CapacityModel
 
 
@@ -51,6 +55,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prune-links", type=float, default=0.0, metavar="FRAC", help="drop the slowest FRAC of each node's links")
     p.add_argument("--warm-start", metavar="PLAN", help="start the search from this plan file's placement")
     p.add_argument("--stop-at-bound", action="store_true", help="stop as soon as the result meets the proven bound")
+    p.add_argument("--stall-window", type=float, default=None, metavar="S",
+                   help="helix: stop when the best plan has not improved for S seconds "
+                        "(default: max(3, a quarter of the time limit); 0: never)")
     p.add_argument("--solver", default="highs", choices=("highs", "cbc", "gurobi"), help="MILP solver (default highs)")
     p.add_argument("--seed", type=int, default=0, help="random seed of the search")
     p.add_argument("--compare", action="store_true", help="also show the baselines' max flow beside ours")
@@ -59,17 +66,20 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
 
 
 class _ProgressLine:
-    """A one-line live status on stderr: incumbent, bound, elapsed."""
+    """A one-line live status on stderr: incumbent, bound, phase and the elapsed time, which
+    ticks between reports (the line is re-rendered several times a second)."""
 
-    def __init__(self, enabled: bool) -> None:
-        self.console = Console(stderr=True, highlight=False)
+    def __init__(self, enabled: bool, clock: Clock = time.monotonic, console: Console | None = None) -> None:
+        self.console = console or Console(stderr=True, highlight=False)
         self.enabled = enabled and self.console.is_terminal
-        self.t0 = time.monotonic()
+        self.clock = clock
+        self.t0 = clock()
+        self.parts: list[str] = []
         self.status: Any = None
 
     def __enter__(self) -> _ProgressLine:
         if self.enabled:
-            self.status = self.console.status("planning…")
+            self.status = self.console.status(self)
             self.status.__enter__()
         return self
 
@@ -77,18 +87,28 @@ class _ProgressLine:
         if self.status is not None:
             self.status.__exit__(None, None, None)
 
+    def __rich__(self) -> Text:
+        return Text(self.text())
+
+    def text(self) -> str:
+        """The line as it reads now (the elapsed time is computed at every render)."""
+        elapsed = f"{self.clock() - self.t0:.0f} s"
+        return "planning: " + ", ".join([*self.parts[:-1], elapsed, *self.parts[-1:]] if self.parts else [elapsed])
+
     def __call__(self, report: Any) -> None:
-        if self.status is None:
-            return
         inc = _field(report, "incumbent_tok_s", "incumbent", "best")
         bnd = _field(report, "bound_tok_s", "upper_bound_tok_s", "bound")
-        parts = [f"incumbent {inc:.1f} tok/s" if inc is not None else "incumbent —"]
+        est = _field(report, "serving_tok_s")
+        parts = []
+        if est is not None:
+            parts.append(f"serving est. {est:.1f} decode tok/s")
+        parts.append(f"max flow {inc:.1f} tok/s" if inc is not None else "no incumbent yet")
         parts.append(f"bound {bnd:.1f}" if bnd is not None else "bound —")
-        parts.append(f"{time.monotonic() - self.t0:.0f} s")
         msg = _field(report, "message", "phase")
-        if isinstance(msg, str) and msg:
-            parts.append(msg)
-        self.status.update("planning: " + ", ".join(parts))
+        parts.append(msg if isinstance(msg, str) and msg else "solving")
+        self.parts = parts
+        if self.status is not None:
+            self.status.update(self)
 
 
 def _field(report: Any, *names: str) -> Any:
@@ -100,15 +120,24 @@ def _field(report: Any, *names: str) -> Any:
     return None
 
 
+def _warn(lines: list[str]) -> None:
+    err = Console(stderr=True, highlight=False)
+    for line in lines:
+        err.print(f"[bold yellow]warning:[/] {escape(line)}")
+
+
 def run_plan(args: argparse.Namespace) -> int:
     if args.threads < 1:
         raise ConfigError("must be at least 1", field="--threads")
     if args.time_limit <= 0:
         raise ConfigError("must be positive", field="--time-limit")
+    deadline = Deadline.after(args.time_limit)  # the limit covers loading and planning
     cluster, profiles = _load(args.cluster)
     warm = None
     if args.warm_start:
-        warm = dict(load_checked_plan(args.warm_start, cluster, profiles).placement)
+        loaded, warnings = load_for_evaluation(args.warm_start, cluster, profiles)
+        _warn(warnings)
+        warm = dict(loaded.placement)
     with _ProgressLine(enabled=not args.json) as progress:
         plan = make_plan(
             cluster,
@@ -124,6 +153,8 @@ def run_plan(args: argparse.Namespace) -> int:
             solver=args.solver,
             seed=args.seed,
             on_progress=progress,
+            stall_s=args.stall_window,
+            deadline=deadline,
         )
     if args.output:
         plan.save(args.output)
@@ -155,7 +186,7 @@ def print_plan(console: Console, plan: Plan, cluster: ClusterSpec, profiles: Pro
     idle = [n for n in cluster.node_ids if n not in plan.placement]
     for node in idle:
         table.add_row(node, gpu[node], "—", "0", "0.0", "—", "—", style="dim")
-    console.print(table)
+    print_table(console, table)
     line = f"[bold]max flow {plan.max_flow_tok_s:.1f} tok/s[/]"
     if plan.upper_bound_tok_s:
         gap = 1 - plan.max_flow_tok_s / plan.upper_bound_tok_s if plan.upper_bound_tok_s > 0 else 0.0
@@ -174,32 +205,58 @@ def print_plan(console: Console, plan: Plan, cluster: ClusterSpec, profiles: Pro
         f"method {plan.method}, objective {plan.objective}, status {plan.status}, "
         f"solver {plan.solver or '—'}, wall {plan.wall_s:.1f} s, partial hand-offs {'on' if plan.partial_handoffs else 'off'}"
     )
+    if plan.stop_reason:
+        console.print(describe_stop(plan.stop_reason, plan.stats.get("stall_window_s")) + f" ({plan.stop_reason})")
 
 
 def print_compare(console: Console, plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, *, partial_handoffs: bool) -> None:
-    table = Table(title="compared with the baselines")
-    for col in ("method", "max flow tok/s", "vs ours", "depth mean", "min KV/layer", "serving est. decode tok/s"):
-        table.add_column(col, justify="left" if col == "method" else "right")
+    """This plan beside the baselines, ranked by what the plan optimised: the serving estimate
+    (objective ``serving``, the default) or the max flow."""
+    serving = plan.objective == "serving"
     rows = [(plan.method + " (this plan)", plan)]
     for name, placement in baseline_placements(cluster, profiles).items():
         rows.append((name, finish_plan(cluster, profiles, placement, method=name, partial_handoffs=partial_handoffs)))
-    for name, p in rows:
-        ratio = plan.max_flow_tok_s / p.max_flow_tok_s if p.max_flow_tok_s > 0 else float("inf")
+    est = {name: serving_estimate(cluster, profiles, p) for name, p in rows}
+
+    def key(name: str, p: Plan) -> float:
+        return (est[name] or 0.0) if serving else p.max_flow_tok_s
+
+    if serving:
+        console.print(
+            "compared by the serving estimate (decode tok/s the serving model expects, counting pipeline "
+            "depth, per-hop latency and KV per layer), which this plan optimises; max flow (all tokens/s "
+            "the cluster graph carries) may be higher for a baseline with a deeper pipeline."
+        )
+        cols = ("method", "serving est. decode tok/s", "vs ours", "max flow tok/s", "depth mean", "min KV/layer")
+    else:
+        console.print(
+            "compared by max flow (tokens/s through the cluster graph), which this plan maximises; the "
+            "serving estimate (decode tok/s) is shown beside it."
+        )
+        cols = ("method", "max flow tok/s", "vs ours", "serving est. decode tok/s", "depth mean", "min KV/layer")
+    table = Table(title="compared with the baselines")
+    for col in cols:
+        table.add_column(col, justify="left" if col == "method" else "right")
+    ours = key(*rows[0])
+    for name, p in [rows[0], *sorted(rows[1:], key=lambda r: key(*r), reverse=True)]:
+        theirs = key(name, p)
         kv = p.stats.get("kv_tokens_min_layer")
+        est_text = f"{est[name]:.1f}" if est[name] is not None else "—"
+        flow_text = f"{p.max_flow_tok_s:.1f}"
         table.add_row(
             name,
-            f"{p.max_flow_tok_s:.1f}",
-            f"{ratio:.2f}x",
+            est_text if serving else flow_text,
+            f"{ours / theirs:.2f}x" if theirs > 0 else "—",
+            flow_text if serving else est_text,
             f"{p.stats.get('depth_mean', 0):.1f}",
             f"{kv:,.0f}" if kv is not None else "—",
-            f"{est:.1f}" if (est := serving_estimate(cluster, profiles, p)) is not None else "—",
         )
     from planner import baselines
 
     for name in baselines.BASELINES:
         if name not in {r[0] for r in rows}:
             table.add_row(name, "infeasible", "—", "—", "—", "—", style="dim")
-    console.print(table)
+    print_table(console, table)
 
 
 # -- helix evaluate --------------------------------------------------------------------------
@@ -214,7 +271,8 @@ def add_evaluate_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_evaluate(args: argparse.Namespace) -> int:
     cluster, profiles = _load(args.cluster)
-    loaded = load_checked_plan(args.plan, cluster, profiles)
+    loaded, warnings = load_for_evaluation(args.plan, cluster, profiles)
+    _warn(warnings)
     plan = evaluate_plan(cluster, profiles, loaded, partial_handoffs=not args.no_partial)
     if args.json:
         sys.stdout.write(plan.to_json() + "\n")
@@ -234,7 +292,8 @@ def add_show_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_show(args: argparse.Namespace) -> int:
     cluster, profiles = _load(args.cluster)
-    plan = load_checked_plan(args.plan, cluster, profiles)
+    plan, warnings = load_for_evaluation(args.plan, cluster, profiles)
+    _warn(warnings)
     if not plan.flows:
         plan = evaluate_plan(cluster, profiles, plan, partial_handoffs=plan.partial_handoffs)
     try:

@@ -13,32 +13,67 @@ convex QP (HiGHS)::
 whose optimum splits flow among interchangeable nodes in proportion to T_i (equal
 utilisation), i.e. every node works and none is favoured. A 1e-6 weight on every edge's
 ``f_e^2 / c_e`` makes the optimum unique, so the flows (and the serving estimate computed
-on them) do not depend on the solver's path.
+on them) do not depend on the solver's path. With a ``deadline`` the QP gets only the time
+left; if it does not finish, :func:`balance` says so (None) and :func:`balanced_flows` falls
+back to networkx's (unbalanced) maximum flow.
 """
 
 from __future__ import annotations
 
 import networkx as nx
 
-from helix.plan import FlowEdge
-from planner.graph import SINK, SOURCE, CapacityModel, Placement, build_graph, evaluate, flow_edges
-from planner.highs_model import INF, Model
+from helix.errors import HelixError
+from helix.plan import FLOW_TOLERANCE, FlowEdge
+from planner.budget import Deadline
+from planner.graph import (
+    SINK,
+    SOURCE,
+    CapacityModel,
+    Placement,
+    build_graph,
+    check_flows,
+    evaluate,
+    flow_edges,
+)
+from planner.highs_model import Model
+
+QP_ITERATIONS_PER_COLUMN = 20  # converged cases take ~1 iteration per column
 
 
 def balanced_flows(
-    cap: CapacityModel, placement: Placement, *, partial_handoffs: bool = True, value: float | None = None
+    cap: CapacityModel, placement: Placement, *, partial_handoffs: bool = True, value: float | None = None,
+    deadline: Deadline | None = None,
 ) -> tuple[float, list[FlowEdge]]:
-    """(max flow, flows on node/coordinator edges) with the max flow spread evenly."""
+    """(max flow, flows on node/coordinator edges) with the max flow spread evenly (when the
+    QP finishes before ``deadline``; else networkx's maximum flow)."""
+    got = balance(cap, placement, partial_handoffs=partial_handoffs, value=value, deadline=deadline)
+    if got is not None:
+        return got
+    res = evaluate(cap, placement, partial_handoffs=partial_handoffs, with_cut=False)
+    return res.max_flow_tok_s, res.flows
+
+
+def balance(
+    cap: CapacityModel, placement: Placement, *, partial_handoffs: bool = True, value: float | None = None,
+    deadline: Deadline | None = None,
+) -> tuple[float, list[FlowEdge]] | None:
+    """The balanced flows, or None when the QP does not finish (or the deadline has passed)."""
     g = build_graph(cap, placement, partial_handoffs=partial_handoffs)
     if value is None:
         value = float(nx.maximum_flow_value(g, SOURCE, SINK, flow_func=nx.algorithms.flow.preflow_push))
     if value <= 0:
         return 0.0, []
+    if deadline is not None and deadline.expired():
+        return None
     edges = list(g.edges(data="capacity"))
     idx = {(u, v): j for j, (u, v, _) in enumerate(edges)}
+    # solved in units of the max flow (x = f / value, so every x is in [0, 1]); capacities above
+    # the max flow bind nothing and are clipped to it, which keeps the tie-breaking terms above
+    # HiGHS's Hessian tolerance (it ignores entries < 1e-9, and the QP then cycles for minutes)
+    clipped = [min(float(c), value) / value if c is not None else 1.0 for _, _, c in edges]
     m = Model()
-    for _, _, c in edges:
-        m.add_col(0.0, float(c) if c is not None else INF)
+    for c in clipped:
+        m.add_col(0.0, c)
     for v in g.nodes:
         if v in (SOURCE, SINK):
             continue
@@ -46,18 +81,43 @@ def balanced_flows(
         outs = [idx[(v, w)] for w in g.successors(v)]
         m.add_row(ins + outs, [1.0] * len(ins) + [-1.0] * len(outs), 0.0, 0.0)
     src = [idx[(SOURCE, w)] for w in g.successors(SOURCE)]
-    slack = 1e-7 * value
-    m.add_row(src, [1.0] * len(src), value - slack, value + slack)
-    # a tiny term on every edge makes the optimum unique (edge flows are otherwise degenerate)
-    m.quadratic = {j: 1e-6 * 2.0 / float(c) for j, (_, _, c) in enumerate(edges) if c}
-    m.quadratic.update((j, 2.0 / float(c)) for j, (u, v, c) in enumerate(edges)
+    slack = 1e-7
+    m.add_row(src, [1.0] * len(src), 1.0 - slack, 1.0 + slack)
+    # a tiny term on every edge makes the optimum unique (edge flows are otherwise degenerate);
+    # f^2 / c = value * x^2 / (c / value), objective divided by value
+    m.quadratic = {j: 1e-6 * 2.0 / c for j, c in enumerate(clipped) if c}
+    m.quadratic.update((j, 2.0 / clipped[j]) for j, (u, v, c) in enumerate(edges)
                        if u.endswith("/in") and v.endswith("/out") and u[:-3] == v[:-4] and c)
-    sol = m.solve(time_limit_s=20.0, threads=1)
-    x = sol.x
-    if sol.status != "optimal" or len(x) != len(edges):
-        res = evaluate(cap, placement, partial_handoffs=partial_handoffs, with_cut=False)
-        return res.max_flow_tok_s, res.flows
-    coord = cap.coordinator
-    out = flow_edges(((u, v, max(0.0, x[j])) for j, (u, v, _) in enumerate(edges)), coord, min_tok_s=1e-9 * value)
-    total = sum(e.tok_s for e in out if e.src == coord)
-    return total, out
+    # HiGHS's active-set QP solver sometimes cycles at the optimum (capped: iterations), and on
+    # some row orders stops with a solve error that a looser feasibility tolerance avoids (then
+    # the result is checked against the plan invariants before it is used)
+    limit = QP_ITERATIONS_PER_COLUMN * len(edges)
+    for options in ({"qp_iteration_limit": limit}, {"qp_iteration_limit": limit, "primal_feasibility_tolerance": 1e-6}):
+        if deadline is not None and deadline.expired():
+            return None
+        sol = m.solve(time_limit_s=deadline.solver_limit(20.0) if deadline is not None else 20.0, threads=1,
+                      options=options)
+        if sol.status in ("optimal", "iteration_limit") and len(sol.x) == len(edges):
+            out = flow_edges(((u, v, max(0.0, sol.x[j]) * value) for j, (u, v, _) in enumerate(edges)),
+                             cap.coordinator, min_tok_s=1e-9 * value)
+            if _valid(cap, placement, out, value, partial_handoffs):
+                return sum(e.tok_s for e in out if e.src == cap.coordinator), out
+        if sol.status != "solve error":
+            return None
+    return None
+
+
+def _valid(cap: CapacityModel, placement: Placement, flows: list[FlowEdge], value: float, partial_handoffs: bool) -> bool:
+    """The flows pass the checks every plan passes (capacities, conservation, the max flow)."""
+    try:
+        check_flows(cap, placement, flows, partial_handoffs=partial_handoffs)
+    except HelixError:
+        return False
+    net: dict[str, float] = {}
+    for e in flows:
+        net[e.src] = net.get(e.src, 0.0) - e.tok_s
+        net[e.dst] = net.get(e.dst, 0.0) + e.tok_s
+    net.pop(cap.coordinator, None)
+    out_of_source = sum(e.tok_s for e in flows if e.src == cap.coordinator)
+    tol = 0.5 * FLOW_TOLERANCE * max(1.0, value)
+    return all(abs(v) <= tol for v in net.values()) and abs(out_of_source - value) <= 1e-5 * max(1.0, value)

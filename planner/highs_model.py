@@ -1,19 +1,98 @@
 """A thin wrapper over highspy for the planner's small MILPs/LPs (stage patterns, bounds,
-the serving LP). One place knows the highspy API; the callers state rows and columns."""
+the serving LP). One place knows the highspy API; the callers state rows and columns.
+
+It also owns HiGHS's output: :func:`new_highs` makes instances that print nothing. Their log
+goes to this module's logger at DEBUG (``helix -vv``), and the banner HiGHS writes to the C
+stdout when a process makes its first instance is swallowed (:func:`quiet_banner`; it would
+otherwise land in ``helix plan --json``'s output) and logged at DEBUG too.
+"""
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
+import tempfile
+import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 import highspy
 import numpy as np
 
 INF = highspy.kHighsInf
 
+log = logging.getLogger(__name__)
+_banner_lock = threading.Lock()
+_banner_done = False
+
+
+def _flush_c_stdout() -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):  # pragma: no cover - no libc to flush
+        pass
+
+
+def quiet_banner() -> None:
+    """Make this process's first HiGHS instance with the C stdout redirected (HiGHS prints its
+    banner there once per process); the banner goes to the DEBUG log instead."""
+    global _banner_done
+    with _banner_lock:
+        if _banner_done:
+            return
+        _banner_done = True
+        try:
+            sys.stdout.flush()
+            saved = os.dup(1)
+        except (OSError, ValueError):  # no usable stdout: nothing to protect
+            highspy.Highs()
+            return
+        with tempfile.TemporaryFile() as tmp:
+            try:
+                os.dup2(tmp.fileno(), 1)
+                highspy.Highs()
+                _flush_c_stdout()
+            finally:
+                os.dup2(saved, 1)
+                os.close(saved)
+            tmp.seek(0)
+            text = tmp.read().decode(errors="replace").strip()
+    if text:
+        log.debug("%s", text)
+
+
+def solver_log_wanted() -> bool:
+    """Whether the solvers' own log is wanted (DEBUG logging, ``helix -vv``)."""
+    return log.isEnabledFor(logging.DEBUG)
+
+
+def log_solver_line(message: str) -> None:
+    log.debug("%s", message.rstrip())
+
+
+def new_highs() -> highspy.Highs:
+    """A HiGHS instance that writes nothing to the console (its log: DEBUG on this logger)."""
+    quiet_banner()
+    h = highspy.Highs()
+    if solver_log_wanted():
+        h.setOptionValue("output_flag", True)
+        h.setOptionValue("log_to_console", False)
+        h.cbLogging.subscribe(_on_log)
+    else:
+        h.setOptionValue("output_flag", False)
+    return h
+
+
+def _on_log(event: Any) -> None:
+    log_solver_line(str(getattr(event, "message", "")))
+
 
 @dataclass(slots=True)
 class Solution:
-    status: str  # "optimal" | "infeasible" | "time_limit" | "feasible" | other HiGHS status text
+    status: str  # "optimal" | "infeasible" | "time_limit" | "iteration_limit" | other HiGHS status text
     x: list[float]
     objective: float
     dual_bound: float
@@ -41,10 +120,13 @@ class Model:
     def add_row(self, idx: list[int], val: list[float], lo: float = -INF, hi: float = INF) -> None:
         self.rows.append((idx, val, lo, hi))
 
-    def solve(self, *, time_limit_s: float = 30.0, threads: int = 1, mip_gap: float = 1e-6) -> Solution:
-        h = highspy.Highs()
-        h.setOptionValue("output_flag", False)
-        h.setOptionValue("time_limit", max(0.05, float(time_limit_s)))
+    def solve(
+        self, *, time_limit_s: float = 30.0, threads: int = 1, mip_gap: float = 1e-6, options: dict[str, Any] | None = None
+    ) -> Solution:
+        h = new_highs()
+        for name, value in (options or {}).items():
+            h.setOptionValue(name, value)
+        h.setOptionValue("time_limit", max(0.01, float(time_limit_s)))
         h.setOptionValue("threads", int(max(1, threads)))
         h.setOptionValue("mip_rel_gap", mip_gap)
         h.setOptionValue("random_seed", 0)
@@ -86,6 +168,8 @@ class Model:
             text = "infeasible"
         elif status == highspy.HighsModelStatus.kTimeLimit:
             text = "time_limit"
+        elif status == highspy.HighsModelStatus.kIterationLimit:
+            text = "iteration_limit"
         obj = info.objective_function_value if has_sol else float("nan")
         bound = getattr(info, "mip_dual_bound", obj) if any(self.integer) else obj
         return Solution(status=text, x=x, objective=obj, dual_bound=bound)
@@ -119,7 +203,7 @@ def run(h: highspy.Highs) -> None:
 
 
 def highs_version() -> str:
-    h = highspy.Highs()
+    h = new_highs()
     try:
         return f"highs {h.version()}"
     except Exception:  # pragma: no cover - older highspy

@@ -18,10 +18,11 @@ improvement, random restarts from perturbed incumbents, deterministic for a seed
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from helix.plan import FlowEdge
+from planner.budget import Deadline
 from planner.flows import balanced_flows
 from planner.graph import max_flow_value
 from planner.instance import Instance, Placement
@@ -37,6 +38,7 @@ class Scored:
     key: Key
     max_flow: float
     serving: ServingEstimate | None = None
+    flows: list[FlowEdge] | None = None  # the balanced flows the serving estimate used (not cached)
 
 
 @dataclass(slots=True)
@@ -48,6 +50,7 @@ class Evaluator:
     evaluations: int = 0
     cache: dict[frozenset, Scored] = field(default_factory=dict)
     coverage_exact: bool = False
+    deadline: Deadline | None = None  # the serving evaluation's QP/LP get at most the time left
 
     def __post_init__(self) -> None:
         self.coverage_exact = self.partial_handoffs and self.inst.links_uniform() and self.objective == "max-flow"
@@ -75,14 +78,15 @@ class Evaluator:
             mf = low if self.coverage_exact else max_flow_value(self.inst.cap, pl, partial_handoffs=self.partial_handoffs)
             out = Scored(dict(pl), (round(mf, 6), -tight, soft), mf)
         else:
-            value, edges = balanced_flows(self.inst.cap, pl, partial_handoffs=self.partial_handoffs)
+            value, edges = balanced_flows(self.inst.cap, pl, partial_handoffs=self.partial_handoffs,
+                                          deadline=self.deadline)
             flows = {(e.src, e.dst): e.tok_s for e in edges}
             assert self.serving_model is not None
-            est = self.serving_model.estimate(pl, flows, value)
-            out = Scored(dict(pl), (round(est.decode_tok_s, 3), round(value, 6), -tight), value, est)
+            est = self.serving_model.estimate(pl, flows, value, deadline=self.deadline)
+            out = Scored(dict(pl), (round(est.decode_tok_s, 3), round(value, 6), -tight), value, est, edges)
         if len(self.cache) > 200_000:
             self.cache.clear()
-        self.cache[k] = out
+        self.cache[k] = replace(out, flows=None) if out.flows is not None else out
         return out
 
     def exact_max_flow(self, pl: Placement) -> float:
@@ -120,13 +124,15 @@ def improve(
     ev: Evaluator,
     start: Placement,
     *,
-    deadline: float,
+    deadline: Deadline,
     seed: int = 0,
     target: float | None = None,
     on_improve: Callable[[Scored], None] | None = None,
     max_evaluations: int | None = None,
 ) -> Scored:
-    """Iterated first-improvement local search from ``start`` until ``deadline`` (monotonic)."""
+    """Iterated first-improvement local search from ``start`` until ``deadline`` expires (its
+    time, or its ``stop`` test: a stalled search), ``target`` is reached or after
+    ``max_evaluations``."""
     rng = random.Random(seed)
     inst = ev.inst
     prune = ev.objective == "max-flow" and not ev.coverage_exact
@@ -135,7 +141,7 @@ def improve(
     nodes = list(start)
     stall = 0
     budget_start = ev.evaluations
-    while time.monotonic() < deadline:
+    while not deadline.expired():
         if target is not None and best.key[0] >= target:
             break
         if max_evaluations is not None and ev.evaluations - budget_start >= max_evaluations:
@@ -154,7 +160,7 @@ def improve(
                 swap[a], swap[b] = rb, ra
                 cand.append(("", (0, 0)))
         for node, rng_ in cand:
-            if time.monotonic() >= deadline:
+            if deadline.expired():
                 break
             if node == "":
                 assert swap is not None

@@ -46,7 +46,9 @@ import pulp
 
 from helix.errors import ConfigError, InfeasiblePlanError
 from helix.units import link_tokens_per_s
+from planner.budget import Deadline
 from planner.graph import CapacityModel, Placement, evaluate
+from planner.highs_model import log_solver_line, quiet_banner, solver_log_wanted
 from planner.progress import Progress, ProgressFn
 
 log = logging.getLogger(__name__)
@@ -105,6 +107,9 @@ def _highs_solver_class() -> type:
             # started with (e.g. by an earlier solve with threads=1): start a fresh scheduler.
             import highspy
 
+            if solver_log_wanted():  # the log goes to the DEBUG logger (helix -vv), never the console
+                lp.solverModel.setOptionValue("output_flag", True)
+                lp.solverModel.setOptionValue("log_to_console", False)
             highspy.Highs.resetGlobalScheduler(True)
             try:
                 lp.solverModel.run()
@@ -181,7 +186,13 @@ def solve_pulp(
     if solver == "highs":
         import highspy
 
+        quiet_banner()
+        log_kind = int(highspy.cb.HighsCallbackType.kCallbackLogging)
+
         def callback(kind: int, message: str, out: Any, inp: Any, user: Any) -> None:
+            if int(kind) == log_kind:
+                log_solver_line(message)
+                return
             inc = out.mip_primal_bound
             bnd = out.mip_dual_bound
             inc_v = None if not math.isfinite(inc) or abs(inc) >= 1e30 else sign * inc
@@ -197,6 +208,8 @@ def solve_pulp(
                 inp.user_interrupt = True
 
         kinds = [highspy.cb.HighsCallbackType.kCallbackMipInterrupt, highspy.cb.HighsCallbackType.kCallbackMipImprovingSolution]
+        if solver_log_wanted():
+            kinds.append(highspy.cb.HighsCallbackType.kCallbackLogging)
         cls = _highs_solver_class()
         s = cls(
             msg=False,
@@ -396,13 +409,16 @@ def solve_paper_milp(
     prune_links_frac: float = 0.0,
     stop_at_bound: bool = False,
     on_progress: ProgressFn | None = None,
+    deadline: Deadline | None = None,
 ) -> MilpResult:
-    """Method ``paper-milp``: build the section-3.3 model and solve it.
+    """Method ``paper-milp``: build the section-3.3 model and solve it by ``deadline``
+    (default: ``time_limit_s`` from now; building the model counts against it).
 
     Returns the placement the solver ended with (at worst the warm start), the solver's
     objective on the (possibly pruned) model, and the better of the solver's proven bound
     and the network-free bound.
     """
+    deadline = deadline if deadline is not None else Deadline.after(time_limit_s)
     t0 = time.monotonic()
     work = prune_links(cap, prune_links_frac)
     nf_bound = network_free_bound(cap)
@@ -420,7 +436,7 @@ def solve_paper_milp(
     outcome = solve_pulp(
         model.prob,
         solver=solver,
-        time_limit_s=time_limit_s,
+        time_limit_s=deadline.solver_limit(),
         threads=threads,
         initial=initial,
         on_progress=on_progress,

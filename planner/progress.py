@@ -13,7 +13,8 @@ class Progress:
     incumbent_tok_s: float | None
     bound_tok_s: float | None
     elapsed_s: float
-    message: str = ""
+    message: str = ""  # the phase (construction, bound, local search, done (stop reason))
+    serving_tok_s: float | None = None  # the incumbent's serving estimate (objective "serving")
 
 
 ProgressFn = Callable[[Progress], None]

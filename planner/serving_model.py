@@ -36,12 +36,14 @@ import bisect
 import math
 from dataclasses import dataclass, field
 
+from planner.budget import Deadline
 from planner.graph import hands_off
 from planner.highs_model import Model
 from planner.instance import Curve, GpuType, Instance, Placement
 
 MAX_PATHS = 400
 MAX_PREFILL_BUSY = 0.9
+FIRST_LP_MIN_S = 0.5  # the first round's LP may run this long past a deadline (it takes ms)
 
 
 @dataclass(slots=True, frozen=True)
@@ -249,8 +251,11 @@ class ServingModel:
     # the estimate --------------------------------------------------------------------
 
     def estimate(
-        self, placement: Placement, flows: dict[tuple[str, str], float], max_flow: float, *, iterations: int = 10
+        self, placement: Placement, flows: dict[tuple[str, str], float], max_flow: float, *, iterations: int = 10,
+        deadline: Deadline | None = None,
     ) -> ServingEstimate:
+        """The estimate after ``iterations`` rounds of the batch fixed point; past ``deadline``
+        it returns the last round's (at least the first round runs: one LP of milliseconds)."""
         inst, w, coord = self.inst, self.w, self.inst.coordinator
         if max_flow <= 0:
             return ServingEstimate(0.0, max_flow, 0.0, 0.0, 0.0, "none")
@@ -269,7 +274,9 @@ class ServingModel:
         last = {n: e == inst.num_layers for n, (_, e) in placement.items()}  # pays head_ms
         busy_prefill = {n: 0.0 for n in placement}  # share of a node's time spent on prefills
         result = ServingEstimate(0.0, max_flow, 0.0, 0.0, 0.0, "none")
-        for _ in range(iterations):
+        for it in range(iterations):
+            if it > 0 and deadline is not None and deadline.expired():
+                break
             taus, times = [], []
             for p, r in zip(paths, runs, strict=True):
                 # a decode step waits for the whole iteration, prefill chunks included
@@ -326,7 +333,8 @@ class ServingModel:
                     capl = 0.0
                 m.add_row([cols[j] for j in js], [tokens_per_decode / taus[j]] * len(js), hi=capl)
                 rows_kind.append("links")
-            sol = m.solve(time_limit_s=10.0)
+            limit = 10.0 if deadline is None else max(FIRST_LP_MIN_S if it == 0 else 0.0, deadline.solver_limit(10.0))
+            sol = m.solve(time_limit_s=limit)
             if not sol.x:
                 return result
             n_p = sol.x

@@ -18,9 +18,9 @@ keeping stages inside one region where it can (geo clusters).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
+from planner.budget import Deadline
 from planner.highs_model import Model
 from planner.instance import Instance, Placement
 
@@ -106,15 +106,15 @@ def solve_stages(
 
 
 def best_stage_plan(
-    inst: Instance, *, lo: float, hi: float, deadline: float, minimize: str = "nodes",
+    inst: Instance, *, lo: float, hi: float, deadline: Deadline, minimize: str = "nodes",
     max_stages: int | None = None, rel_tol: float = 2e-4,
 ) -> tuple[float, list[Stage]] | None:
-    """Bisection on the target flow: the best stage plan found before ``deadline``."""
+    """Bisection on the target flow: the best stage plan found before ``deadline`` (every
+    MILP gets at most the time left, and none starts after it)."""
     best: tuple[float, list[Stage]] | None = None
-    while hi - lo > rel_tol * max(hi, 1.0) and time.monotonic() < deadline:
+    while hi - lo > rel_tol * max(hi, 1.0) and not deadline.expired():
         mid = (lo + hi) / 2 if best is not None or lo > 0 else hi * 0.5
-        left = max(0.1, deadline - time.monotonic())
-        st = solve_stages(inst, mid, minimize=minimize, max_stages=max_stages, time_limit_s=min(10.0, left))
+        st = solve_stages(inst, mid, minimize=minimize, max_stages=max_stages, time_limit_s=deadline.solver_limit(10.0))
         if st is None:
             hi = mid
         else:
@@ -122,8 +122,8 @@ def best_stage_plan(
             if best is None or got > best[0]:
                 best = (got, st)
             lo = max(mid, got)
-    if best is None:
-        st = solve_stages(inst, lo, minimize=minimize, max_stages=max_stages, time_limit_s=5.0) if lo > 0 else None
+    if best is None and lo > 0 and not deadline.expired():
+        st = solve_stages(inst, lo, minimize=minimize, max_stages=max_stages, time_limit_s=deadline.solver_limit(5.0))
         return (lo, st) if st else None
     return best
 
