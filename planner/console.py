@@ -1,10 +1,12 @@
 """Rich output for the CLI commands: tables whose cells are never cut.
 
 A rich table wider than the console shrinks its columns and cuts cells with "…" — at 80
-columns (a CI log, ``COLUMNS=80``) that cut the planner's and the simulator's numbers.
-:func:`print_table` gives every column at least the width of its widest cell (headers may
-wrap) and prints the table at the console's width or, when that is what it takes to show
-every cell whole, wider (the terminal then wraps the long lines; nothing is cut).
+columns (a CI log, ``COLUMNS=80``) that cut the planner's node names and numbers.
+:func:`print_table` gives every value column (right-aligned: numbers, ranges, ratios) at
+least the width of its widest cell. On a terminal, text columns (names) fold onto more lines
+where space is short; elsewhere (a log, a pipe) the table is printed as wide as it takes to
+show every cell whole on one line. Lines are never cropped: a table that still does not fit
+runs past the edge (the terminal wraps it) rather than losing digits.
 """
 
 from __future__ import annotations
@@ -16,18 +18,25 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
+WIDE = 10_000  # "unlimited" width for measuring
+
 
 def _cell_width(console: Console, cell: Any) -> int:
     if isinstance(cell, str):
         cell = Text.from_markup(cell)
-    return Measurement.get(console, console.options.update_width(10_000), cell).maximum
+    return Measurement.get(console, console.options.update_width(WIDE), cell).maximum
 
 
 def print_table(console: Console, table: Table) -> None:
-    """Print ``table`` with every cell whole (wider than the console if need be)."""
+    """Print ``table`` with every value cell whole (and, off a terminal, every cell)."""
     for col in table.columns:
-        widths = [_cell_width(console, c) for c in col._cells]
-        if widths:
-            col.min_width = max([col.min_width or 0, *widths])
-    need = Measurement.get(console, console.options.update_width(10_000), table).minimum
-    console.print(table, width=max(console.width, need), crop=False)
+        if col.justify == "right" or not console.is_terminal:
+            widths = [_cell_width(console, c) for c in col._cells]
+            if widths:
+                col.min_width = max([col.min_width or 0, *widths])
+        else:
+            col.overflow = "fold"
+    width = console.width
+    if not console.is_terminal:
+        width = max(width, Measurement.get(console, console.options.update_width(WIDE), table).minimum)
+    console.print(table, width=width, crop=False)

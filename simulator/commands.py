@@ -9,6 +9,8 @@ import math
 from helix.errors import ConfigError
 from simulator.routing import ROUTERS
 
+DEFAULT_LOAD = 0.75  # online without --rate/--load: this fraction of the plan's max flow
+
 
 def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("cluster", help="cluster YAML")
@@ -19,7 +21,7 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", help="replay a trace (CSV or JSONL: arrival_s, prompt_tokens, output_tokens); implies online")
     rate = p.add_mutually_exclusive_group()
     rate.add_argument("--rate", type=float, help="online: requests per second")
-    rate.add_argument("--load", type=float, help="online: fraction of the plan's max flow (default 0.75)")
+    rate.add_argument("--load", type=float, help=f"online: fraction of the plan's max flow (default {DEFAULT_LOAD})")
     p.add_argument("--cv", type=float, default=1.0, help="online arrivals: 1 = Poisson, > 1 = bursty Gamma")
     p.add_argument("--lengths", default="azure-conv", help="azure-conv | fixed:P,O | uniform:P0-P1,O0-O1")
     p.add_argument("--duration", type=float, default=600.0, help="measured simulated seconds (after warm-up)")
@@ -37,12 +39,14 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_simulate(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.markup import escape
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from helix.plan import check_plan, load_plan
     from helix.profile import load_profiles_for
     from helix.spec import load_cluster
+    from planner.api import load_for_evaluation
+    from planner.console import print_table
     from simulator.engine import SimConfig, simulate
     from simulator.workload import load_trace
 
@@ -53,14 +57,14 @@ def run_simulate(args: argparse.Namespace) -> int:
             raise ConfigError(f"{flag} must be at least 1, got {value}", field=flag)
     cluster = load_cluster(args.cluster)
     profiles = load_profiles_for(cluster)
-    plan = load_plan(args.plan)
-    model = profiles.models[cluster.model]
-    check_plan(plan, num_layers=model.num_layers, node_ids=cluster.node_ids, coordinator=cluster.coordinator.id,
-               source=args.plan)
+    plan, warnings = load_for_evaluation(args.plan, cluster, profiles)
+    for line in warnings:
+        Console(stderr=True, highlight=False).print(f"[bold yellow]warning:[/] {escape(line)}")
     trace = load_trace(args.trace) if args.trace else None
     mode = "online" if trace is not None else args.mode
+    load = DEFAULT_LOAD if args.load is None and args.rate is None else args.load
     cfg = SimConfig(mode=mode, router=args.router, duration_s=args.duration, warmup_s=args.warmup, seed=args.seed,
-                    lengths=args.lengths, rate_per_s=args.rate, load=args.load, cv=args.cv, trace=trace,
+                    lengths=args.lengths, rate_per_s=args.rate, load=load, cv=args.cv, trace=trace,
                     watermark=args.watermark, max_inflight=args.max_inflight, host_cores=args.host_cores,
                     prefill_chunk_tokens=args.chunk_tokens)
     total = args.warmup + args.duration
@@ -82,15 +86,30 @@ def run_simulate(args: argparse.Namespace) -> int:
         t.add_row(name, "  ".join(f"{k} {v:.3f}" for k, v in d.items()))
     t.add_row("requests finished / admitted", f"{result.finished_requests} / {result.admitted_requests}")
     t.add_row("preemptions (KV full)", str(result.preemptions))
-    console.print(t)
+    print_table(console, t)
+    console.print(f"measured {args.duration:g} simulated s after a warm-up of {args.warmup:g} s; "
+                  f"load: {describe_load(args, mode, len(trace) if trace is not None else None)}")
     nt = Table(title="per node")
     for col in ("node", "layers", "utilization", "KV peak (true)", "KV peak (router estimate)"):
         nt.add_column(col, justify="left" if col == "node" else "right")
     for node, (s, e) in sorted(plan.placement.items(), key=lambda x: (x[1][0], x[0])):
         nt.add_row(node, f"[{s},{e})", f"{result.node_utilization[node]:.0%}", f"{result.kv_peak_fraction[node]:.0%}",
                    f"{result.kv_estimate_peak_fraction.get(node, 0.0):.0%}")
-    console.print(nt)
+    print_table(console, nt)
     return 0
+
+
+def describe_load(args: argparse.Namespace, mode: str, trace_requests: int | None) -> str:
+    """The workload in words: what drives the simulated cluster, and how hard."""
+    if trace_requests is not None:
+        return f"online: trace {args.trace} ({trace_requests} requests), lengths from the trace"
+    if mode == "offline":
+        feeder = f"{args.max_inflight} requests kept in flight" if args.max_inflight else "KV feeder keeps it saturated"
+        return f"offline: {feeder}; lengths {args.lengths}"
+    arrivals = "Poisson" if args.cv == 1.0 else f"Gamma cv {args.cv:g}"
+    rate = f"{args.rate:g} requests/s" if args.rate is not None else \
+        f"{DEFAULT_LOAD if args.load is None else args.load:.0%} of the plan's max flow"
+    return f"online: {rate}, {arrivals} arrivals; lengths {args.lengths}"
 
 
 def _clean(x: object) -> object:
