@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -41,14 +44,21 @@ def _agent(cluster: Path, plan: Path, node: str, model_dir: Path) -> list[str]:
     return ["agent", "--cluster", str(cluster), "--plan", str(plan), "--node", node, "--model-dir", str(model_dir)]
 
 
-def test_smollm2_weights_on_a_llama3_cluster_are_refused_before_ready(
-    tmp_path: Path, smollm2_dir: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_smollm2_weights_on_a_llama3_cluster_are_refused_before_ready(tmp_path: Path, smollm2_dir: Path) -> None:
     cluster, plan = write_llama3_cluster(tmp_path, {"a": (0, 24), "b": (24, 32)})
-    assert main(_agent(cluster, plan, "a", smollm2_dir)) == 5
-    out = capsys.readouterr()
-    err = " ".join(out.err.split())
-    assert "READY" not in out.out
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "400"}
+    proc = subprocess.Popen([sys.executable, "-m", "node_agent", *_agent(cluster, plan, "a", smollm2_dir)[1:]],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        first = proc.stdout.readline()  # READY if it serves; "" once it exits
+        assert "READY" not in first, "the agent started serving the wrong model"
+        assert proc.wait(timeout=60) == 5
+        err = " ".join(proc.stderr.read().split())
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     assert "'llama-3-8b' (32 layers, hidden size 4096" in err and "profiles.yaml" in err
     assert "(30 layers, hidden size 576)" in err and smollm2_dir.name in err
 
