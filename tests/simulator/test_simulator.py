@@ -314,3 +314,21 @@ def test_a_node_holding_the_whole_model_feeds_its_token_back_itself() -> None:
     assert decode_gap({"n0": (0, 6)}) == pytest.approx(0.006)  # 6 layers x 1 ms, nothing else
     # two stages: 3 + 3 layers and three 10 ms hops (coordinator -> n0 -> n1 -> coordinator) per token
     assert decode_gap({"n0": (0, 3), "n1": (3, 6)}) == pytest.approx(0.006 + 0.030)
+
+
+def test_cli_text_says_duration_warmup_and_load(capsys, monkeypatch, tmp_path) -> None:
+    from helix.cli import main
+
+    monkeypatch.setenv("COLUMNS", "80")
+    ref = PAPER / "reference" / "swarm.json"
+    assert main(["simulate", str(PAPER / "cluster.yaml"), str(ref), "--duration", "4", "--warmup", "1"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # the summary wraps at 80 columns
+    assert "measured 4 simulated s after a warm-up of 1 s" in out
+    assert "load: offline: KV feeder keeps it saturated" in out and "…" not in out
+    # a hand-written placement (no method, no max flow) is simulated too, online at a given load
+    placement_only = tmp_path / "mine.json"
+    placement_only.write_text(json.dumps({"placement": json.loads(ref.read_text())["placement"]}))
+    assert main(["simulate", str(PAPER / "cluster.yaml"), str(placement_only), "--duration", "4", "--warmup", "1",
+                 "--mode", "online", "--load", "0.5", "--cv", "2"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "load: online: 50% of the plan's max flow, Gamma cv 2 arrivals; lengths azure-conv" in out
