@@ -117,10 +117,13 @@ def _run_estimate(args: argparse.Namespace) -> int:
     for name, spec in specs.items():
         console.print(f"  {name} ({spec.vram_gb:g} GB VRAM): {roofline.layer_limit(spec, shape).explain()}")
     if args.output:
+        from helix.profile import load_profile_file
         from profiler.files import write_profiles
 
+        if Path(args.output).is_file():  # keep what else the file holds (this estimate wins)
+            profiles = load_profile_file(args.output).merged(profiles)
         write_profiles(args.output, profiles, f"Roofline estimates (helix profile --estimate) for {shape.name}.\n"
-                       f"max_layers keeps the {roofline.kv_reserve.describe()}.\n"
+                       f"max_layers of {', '.join(names)} keeps the {roofline.kv_reserve.describe()}.\n"
                        "See docs/profiler.md for the model; latency curves are per ONE layer.")  # fmt: skip
         console.print(f"profiles written to [bold]{args.output}[/]")
     return 0
@@ -191,7 +194,7 @@ def _run_measure(args: argparse.Namespace) -> int:
     listed = {p.resolve() for p in cluster.profile_paths()}
     if result.profiles_path.resolve() not in listed:
         console.print(f"to plan with them, list it last in {cluster.source}'s profiles: (later files win), "
-                      f"or pass it as -o next time to merge into one of its files")  # fmt: skip
+                      f"or pass one of its profiles files as -o to merge the measurements into it")  # fmt: skip
     if result.links_path:
         console.print(f"measured links written to [bold]{result.links_path}[/] (paste them into the cluster's links:)")
     if result.skipped_nodes:

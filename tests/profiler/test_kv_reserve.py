@@ -31,8 +31,11 @@ def test_estimate_prints_what_limits_each_gpu(tmp_path: Path, capsys: pytest.Cap
     assert helix_main(["profile", "--estimate", "--gpus", "T4", "--model", "llama-2-70b", "--kv-requests", "64",
                        "--kv-context-tokens", "2048", "-o", str(out_file)]) == 0  # fmt: skip
     assert "131,072 tokens in every layer held (64 requests x 2048 tokens)" in _out(capsys)
-    assert "max_layers keeps the KV reserve of 131,072 tokens" in out_file.read_text()  # the file says how
+    assert "max_layers of T4 keeps the KV reserve of 131,072 tokens" in out_file.read_text()  # the file says how
     assert load_profile_file(out_file).throughput("T4", "llama-2-70b").max_layers == 5
+    # -o into an existing file merges: its other GPUs stay, the new estimate wins
+    assert helix_main(["profile", "--estimate", "--gpus", "L4", "--model", "llama-2-70b", "-o", str(out_file)]) == 0
+    assert set(load_profile_file(out_file).gpus) == {"T4", "L4"}
 
 
 def test_kv_reserve_options_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
