@@ -13,6 +13,7 @@ from helix.profile import load_profile_file
 from helix.spec import load_cluster
 from profiler.cluster_profile import profile_cluster
 from profiler.files import default_cache_dir
+from profiler.kv_reserve import KvReserve
 from profiler.measure import MeasureSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,8 +47,9 @@ def test_profiling_the_demo_leaves_the_checkout_as_it_was(tmp_path: Path, isolat
 
     # -o: the profiles file where the user says, the links beside it; a rerun comes from the cache
     out = tmp_path / "mine" / "profiles.yaml"
-    again = profile_cluster(load_cluster(cluster), settings=QUICK, output=out)
+    again = profile_cluster(load_cluster(cluster), settings=QUICK, output=out, kv_reserve=KvReserve.fixed_gb(0.5))
     assert again.cache_hits == ["cpu"] and again.profiles_path == out
+    assert "max_layers keeps the KV reserve of 0.5 GB per GPU" in out.read_text()  # the file says which
     assert again.links_path == out.parent / "links-measured.yaml" and again.links_path.is_file()
     mine, first = (load_profile_file(f).throughput("cpu", "smollm2-135m") for f in (out, result.profiles_path))
     assert mine.decode_ms_per_layer == first.decode_ms_per_layer  # the cached measurement (free memory may move)
