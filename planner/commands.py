@@ -224,8 +224,9 @@ def print_compare(console: Console, plan: Plan, cluster: ClusterSpec, profiles: 
     if serving:
         console.print(
             "compared by the serving estimate (decode tok/s the serving model expects, counting pipeline "
-            "depth, per-hop latency and KV per layer), which this plan optimises; max flow (all tokens/s "
-            "the cluster graph carries) may be higher for a baseline with a deeper pipeline."
+            "depth, per-hop latency and KV per layer), which this plan optimises; max flow counts prompt "
+            "and decode tokens alike and ignores latency and KV, so a baseline may show a higher max flow "
+            "yet serve less."
         )
         cols = ("method", "serving est. decode tok/s", "vs ours", "max flow tok/s", "depth mean", "min KV/layer")
     else:

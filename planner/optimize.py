@@ -247,9 +247,11 @@ def optimize(
             stalled["yes"] = True
         return stalled["yes"]
 
+    anchor = [best]  # the incumbent when the stall window last restarted
+
     def on_improve(s: Scored) -> None:
-        before = pool.best
-        if pool.offer(s, "local search") and before is not None and _progress(before, s, serving):
+        if pool.offer(s, "local search") and _progress(anchor[0], s, serving):
+            anchor[0] = s
             watch.improved()
 
     polish = search.within(search.remaining(), stop=stop)
@@ -280,9 +282,9 @@ def optimize(
 
 
 def _progress(before: Scored, after: Scored, serving: bool) -> bool:
-    """Whether a new incumbent resets the stall window: any better max-flow key (its tie-breaks
-    lead the search off plateaus), or a serving estimate higher by more than SERVING_MIN_GAIN
-    (the estimate is good to ~10 %: smaller gains are noise)."""
+    """Whether a new incumbent restarts the stall window (``before``: the incumbent when it last
+    did): any better max-flow key (its tie-breaks lead the search off plateaus), or a serving
+    estimate higher by more than SERVING_MIN_GAIN (good to ~10 %: smaller gains are noise)."""
     if not serving:
         return after.key > before.key
     return after.key[0] > before.key[0] * (1 + SERVING_MIN_GAIN)
