@@ -207,6 +207,8 @@ def print_plan(console: Console, plan: Plan, cluster: ClusterSpec, profiles: Pro
     )
     if plan.stop_reason:
         console.print(describe_stop(plan.stop_reason, plan.stats.get("stall_window_s")) + f" ({plan.stop_reason})")
+    if plan.stats.get("balanced_flows") is False:
+        console.print("flows: a maximum flow, not balanced over parallel nodes (the balancing QP did not finish in time)")
 
 
 def print_compare(console: Console, plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, *, partial_handoffs: bool) -> None:

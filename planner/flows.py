@@ -83,10 +83,10 @@ def balance(
     src = [idx[(SOURCE, w)] for w in g.successors(SOURCE)]
     slack = 1e-7
     m.add_row(src, [1.0] * len(src), 1.0 - slack, 1.0 + slack)
-    # a tiny term on every edge makes the optimum unique (edge flows are otherwise degenerate);
-    # f^2 / c = value * x^2 / (c / value), objective divided by value
+    # f_i^2 / T_i = value^2 x_i^2 / T_i (objective divided by value); a tiny term on every edge
+    # makes the optimum unique (edge flows are otherwise degenerate), on clipped capacities
     m.quadratic = {j: 1e-6 * 2.0 / c for j, c in enumerate(clipped) if c}
-    m.quadratic.update((j, 2.0 / clipped[j]) for j, (u, v, c) in enumerate(edges)
+    m.quadratic.update((j, 2.0 * value / float(c)) for j, (u, v, c) in enumerate(edges)
                        if u.endswith("/in") and v.endswith("/out") and u[:-3] == v[:-4] and c)
     # HiGHS's active-set QP solver sometimes cycles at the optimum (capped: iterations), and on
     # some row orders stops with a solve error that a looser feasibility tolerance avoids (then

@@ -64,3 +64,25 @@ def small_instance(tmp_path: Path, *, layers: int = 4) -> Path:
     path = tmp_path / "cluster.yaml"
     path.write_text(yaml.safe_dump(cluster))
     return path
+
+
+def mixed_cluster(tmp_path: Path, name: str, nodes: list[dict[str, str]]) -> Path:
+    """A LLaMA-2 70B cluster of the paper's GPUs (single24's profiles), regions from the nodes."""
+    doc = {
+        "name": name, "model": "llama-2-70b", "profiles": str(SINGLE24.parent / "profiles-llama70b.yaml"),
+        "coordinator": {"id": "coordinator", "region": nodes[0]["region"], "nic_gbps": 10},
+        "nodes": nodes,
+        "defaults": {"intra_region": {"bandwidth_gbps": 10, "latency_ms": 1},
+                     "inter_region": {"bandwidth_gbps": 0.5, "latency_ms": 60}},
+    }
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def mixed64(tmp_path: Path) -> Path:
+    """64 A100/L4/T4 nodes in three regions joined by slow links."""
+    mix = {"us-east": ["A100"] * 6 + ["L4"] * 10 + ["T4"] * 10, "us-west": ["L4"] * 10 + ["T4"] * 10,
+           "eu": ["A100"] * 4 + ["T4"] * 14}
+    nodes = [{"id": f"{r}-{g.lower()}-{i}", "gpu": g, "region": r} for r, gs in mix.items() for i, g in enumerate(gs)]
+    return mixed_cluster(tmp_path, "mixed64", nodes)

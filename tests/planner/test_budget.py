@@ -21,13 +21,15 @@ from planner.budget import (
     describe_stop,
     stall_window_s,
 )
+from planner.flows import balance
+from planner.graph import CapacityModel, check_flows
 from planner.highs_model import Model
 from planner.instance import Instance
 from planner.local_search import Evaluator, improve
 from planner.optimize import optimize
 from planner.progress import Progress
 
-from .conftest import GEO, load
+from .conftest import GEO, load, mixed64
 
 
 class FakeClock:
@@ -149,3 +151,13 @@ def test_optimize_ends_every_phase_when_its_deadline_passes(solves: list[float])
     assert res.stop_reason == TIME_LIMIT and res.stats["stop_reason"] == TIME_LIMIT
     assert set(res.placement) <= set(cluster.node_ids) and res.max_flow_tok_s > 0
     assert res.flows  # the max flow's edges, even when there was no time left to balance them
+
+
+def test_balanced_flows_finish_on_a_large_cluster(tmp_path) -> None:
+    """The balancing QP (run for every serving evaluation) once cycled to its 20 s limit here."""
+    cluster, profiles = load(mixed64(tmp_path))
+    cap = CapacityModel.build(cluster, profiles)
+    for name, placement in baseline_placements(cluster, profiles, cap).items():
+        got = balance(cap, placement, deadline=Deadline.after(60.0))
+        assert got is not None, name
+        check_flows(cap, placement, got[1])

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,9 +19,8 @@ from planner.api import load_checked_plan, make_plan
 from planner.commands import _ProgressLine, print_compare
 from planner.progress import Progress
 
-from .conftest import DEMO, ROOT, SINGLE24, load
+from .conftest import DEMO, ROOT, SINGLE24, load, mixed64, mixed_cluster
 
-PROFILES_70B = ROOT / "clusters" / "helix-paper-single24" / "profiles-llama70b.yaml"
 # wall_s may pass --time-limit by the final check of the plan (milliseconds) and, on a loaded
 # machine, by one solver call that overruns its own limit: far less than this
 TIME_LIMIT_SLACK_S = 4.0
@@ -33,25 +31,9 @@ def _plan_json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict[str,
     return json.loads(capsys.readouterr().out)
 
 
-def _cluster(tmp_path: Path, name: str, nodes: list[dict[str, str]]) -> Path:
-    doc = {
-        "name": name, "model": "llama-2-70b", "profiles": str(PROFILES_70B),
-        "coordinator": {"id": "coordinator", "region": nodes[0]["region"], "nic_gbps": 10},
-        "nodes": nodes,
-        "defaults": {"intra_region": {"bandwidth_gbps": 10, "latency_ms": 1},
-                     "inter_region": {"bandwidth_gbps": 0.5, "latency_ms": 60}},
-    }
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    return path
-
-
 def test_time_limit_covers_the_whole_plan_on_a_large_cluster(capsys, tmp_path) -> None:
     """64 mixed GPUs in three regions: construction alone used to take ~25 s whatever the limit."""
-    mix = {"us-east": ["A100"] * 6 + ["L4"] * 10 + ["T4"] * 10, "us-west": ["L4"] * 10 + ["T4"] * 10,
-           "eu": ["A100"] * 4 + ["T4"] * 14}
-    nodes = [{"id": f"{r}-{g.lower()}-{i}", "gpu": g, "region": r} for r, gs in mix.items() for i, g in enumerate(gs)]
-    path = _cluster(tmp_path, "big64", nodes)
+    path = mixed64(tmp_path)
     plan = _plan_json(capsys, ["plan", str(path), "--time-limit", "2", "--threads", "1", "--json"])
     assert plan["wall_s"] <= 2 + TIME_LIMIT_SLACK_S
     assert plan["stop_reason"] in ("time_limit", "stalled") and len(plan["placement"]) > 0
@@ -101,7 +83,7 @@ def test_tables_keep_every_cell_whole_at_80_columns(capsys, monkeypatch, tmp_pat
     gpus = ["A100"] * 4 + ["L4"] * 8 + ["T4"] * 4
     nodes = [{"id": f"europe-west3-frankfurt-rack07-{g.lower()}-{i}-worker", "gpu": g, "region": "eu"}
              for i, g in enumerate(gpus)]
-    path = _cluster(tmp_path, "long-names", nodes)
+    path = mixed_cluster(tmp_path, "long-names", nodes)
     plan = _plan_json(capsys, ["plan", str(path), "--method", "petals", "--json"])
     assert main(["plan", str(path), "--method", "petals", "--compare"]) == 0
     out = capsys.readouterr().out
