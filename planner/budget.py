@@ -45,14 +45,14 @@ def stall_window_s(time_limit_s: float, stall_s: float | None = None) -> float |
 
 
 def describe_stop(reason: str | None, stall_s: float | None = None) -> str:
-    """One phrase for a stop reason, for the command's output."""
+    """One line for a stop reason, for the command's output."""
     if reason == BOUND_MET:
-        return "stopped early: the result meets the proven upper bound"
+        return "stopped early (bound_met): the plan meets the proven upper bound"
     if reason == STALLED:
         window = f" for {stall_s:g} s" if stall_s else ""
-        return f"stopped early: no improvement{window} (stall window)"
+        return f"stopped early (stalled): no improvement{window}, the stall window (--stall-window)"
     if reason == TIME_LIMIT:
-        return "stopped at the time limit"
+        return "stopped at the time limit (time_limit)"
     return ""
 
 

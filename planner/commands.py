@@ -206,7 +206,7 @@ def print_plan(console: Console, plan: Plan, cluster: ClusterSpec, profiles: Pro
         f"solver {plan.solver or '—'}, wall {plan.wall_s:.1f} s, partial hand-offs {'on' if plan.partial_handoffs else 'off'}"
     )
     if plan.stop_reason:
-        console.print(describe_stop(plan.stop_reason, plan.stats.get("stall_window_s")) + f" ({plan.stop_reason})")
+        console.print(describe_stop(plan.stop_reason, plan.stats.get("stall_window_s")))
     if plan.stats.get("balanced_flows") is False:
         console.print("flows: a maximum flow, not balanced over parallel nodes (the balancing QP did not finish in time)")
 
