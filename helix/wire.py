@@ -40,6 +40,8 @@ from helix.wire_messages import (
     KINDS,
     MAX_ID_CHARS,
     MAX_LIST,
+    MAX_LOGIT_BIAS,
+    MAX_PENALTY,
     MAX_TOKEN_ID,
     NONCE_BYTES,
     PROTOCOL_VERSION,
@@ -79,6 +81,8 @@ __all__ = [  # the protocol: messages and limits (helix.wire_messages), codec, h
     "KINDS",
     "MAX_ID_CHARS",
     "MAX_LIST",
+    "MAX_LOGIT_BIAS",
+    "MAX_PENALTY",
     "MAX_TOKEN_ID",
     "Message",
     "NONCE_BYTES",
@@ -126,7 +130,9 @@ def _stage(s: StageRef) -> list[Any]:
 
 def _sampling(s: SamplingSpec) -> dict[str, Any]:
     return {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "seed": s.seed,
-            "stop_token_ids": list(s.stop_token_ids)}  # fmt: skip
+            "stop_token_ids": list(s.stop_token_ids), "presence_penalty": s.presence_penalty,
+            "frequency_penalty": s.frequency_penalty, "logit_bias": [[t, b] for t, b in s.logit_bias],
+            "prior_output_ids": list(s.prior_output_ids)}  # fmt: skip
 
 
 def _header(msg: Message) -> dict[str, Any]:

@@ -17,6 +17,8 @@ from helix.wire_messages import (
     KINDS,
     MAX_ID_CHARS,
     MAX_LIST,
+    MAX_LOGIT_BIAS,
+    MAX_PENALTY,
     MAX_TOKEN_ID,
     NONCE_BYTES,
     PROTOCOL_VERSION,
@@ -110,6 +112,19 @@ def _float(f: _Fields, name: str, v: Any, lo: float, hi: float) -> float:
     return float(v)
 
 
+def _logit_bias(f: _Fields, name: str, v: Any) -> tuple[tuple[int, float], ...]:
+    pairs: list[tuple[int, float]] = []
+    for i, item in enumerate(_list(f, name, v)):
+        where = f"{name}[{i}]"
+        if not isinstance(item, list) or len(item) != 2:
+            raise f.fail(where, f"expected [token_id, bias], got {_show(item)}")
+        pairs.append((_int(item[0], 0, MAX_TOKEN_ID, f, f"{where}.token_id"),
+                      _float(f, f"{where}.bias", item[1], -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)))
+    if len({t for t, _ in pairs}) != len(pairs):
+        raise f.fail(name, "a token id appears more than once")
+    return tuple(pairs)
+
+
 def _decode_sampling(f: _Fields, name: str, v: Any) -> SamplingSpec:
     if not isinstance(v, dict):
         raise f.fail(name, f"expected a map, got {_show(v)}")
@@ -124,6 +139,10 @@ def _decode_sampling(f: _Fields, name: str, v: Any) -> SamplingSpec:
         top_p=_float(s, "top_p", s.get("top_p", 1.0), 0.0, 1.0),
         seed=seed,
         stop_token_ids=_token_ids(s, "stop_token_ids", s.get("stop_token_ids", [])),
+        presence_penalty=_float(s, "presence_penalty", s.get("presence_penalty", 0.0), -MAX_PENALTY, MAX_PENALTY),
+        frequency_penalty=_float(s, "frequency_penalty", s.get("frequency_penalty", 0.0), -MAX_PENALTY, MAX_PENALTY),
+        logit_bias=_logit_bias(s, "logit_bias", s.get("logit_bias", [])),
+        prior_output_ids=_token_ids(s, "prior_output_ids", s.get("prior_output_ids", [])),
     )
     s.done()
     return out

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: SamplingSpec carries penalties, logit_bias and prior_output_ids
 DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
 NONCE_BYTES = 32
 DTYPE_BYTES: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4}
 MAX_TOKEN_ID = 2**31 - 1
 MAX_ID_CHARS = 256
 MAX_LIST = 1 << 20
+MAX_PENALTY = 2.0  # presence/frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range)
+MAX_LOGIT_BIAS = 100.0  # a logit bias lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS]
 
 Buffer = bytes | bytearray | memoryview
 
@@ -34,13 +36,24 @@ class StageRef:
 
 @dataclass(frozen=True, slots=True)
 class SamplingSpec:
-    """Sampling parameters applied by a pipeline's last stage."""
+    """Sampling parameters applied by a pipeline's last stage.
+
+    Penalties follow OpenAI: over the tokens this request generated, ``logits[t] -=
+    presence_penalty * (count[t] > 0) + frequency_penalty * count[t]``; ``logit_bias`` adds
+    ``bias`` to ``logits[token_id]`` for each ``(token_id, bias)`` pair. ``prior_output_ids`` are
+    the tokens the request generated before this admission (on a pipeline that failed; they are
+    the tail of the re-prefilled prompt): the penalties count them as if sampled here.
+    """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    prior_output_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ from helix.errors import EngineError, RequestError
 from node_agent.config import ModelConfig, load_config
 from node_agent.kv_cache import KVAccount, KVUsage, RequestKV
 from node_agent.model import Segment, StageModel
-from node_agent.sampling import SamplingParams, finish_reason, make_generator, sample_token
+from node_agent.sampling import RequestSampler, SamplingParams, finish_reason
 from node_agent.scheduler import Batch, Scheduler, SchedulerConfig
 from node_agent.weights import load_stage_weights
 
@@ -59,7 +59,7 @@ class _Request:
     layer_start: int
     layer_end: int
     sampling: SamplingParams
-    generator: torch.Generator | None
+    sampler: RequestSampler | None  # on the stage that ends the model
     pending_ids: list[int]
     pending_hidden: torch.Tensor | None = None
     kv: RequestKV | None = None
@@ -103,10 +103,11 @@ class StageEngine:
         elif not prompt_len:
             raise RequestError("a request starting past layer 0 needs prompt_len", param="prompt_len")
         ends_model = end == self.config.num_layers
+        sampler = RequestSampler(sampling, self.config.vocab_size) if ends_model else None
         self.scheduler.add(request_id, prompt_len, sampling.max_tokens,
                            pending_tokens=prompt_len if start == 0 else 0)
         self._requests[request_id] = _Request(request_id, start, end, sampling,
-                                              make_generator(sampling) if ends_model else None,
+                                              sampler,
                                               list(prompt_token_ids or []))
 
     def push_hidden(self, request_id: str, hidden: torch.Tensor) -> None:
@@ -213,8 +214,8 @@ class StageEngine:
             logits = self.model.logits(hidden[sample_rows])
             for out, row in zip(to_sample, logits, strict=True):
                 req = self._requests[out.request_id]
-                assert req.generator is not None
-                out.token = sample_token(row, req.sampling, req.generator)
+                assert req.sampler is not None
+                out.token = req.sampler.sample(row)
                 req.num_generated += 1
                 out.logits = row.clone() if req.sampling.return_logits else None
                 out.finish_reason = finish_reason(out.token, req.num_generated, req.sampling)

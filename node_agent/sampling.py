@@ -1,8 +1,13 @@
-"""Sampling parameters and the per-request token sampler (greedy, temperature, top-k, top-p, seed).
+"""Sampling parameters and the per-request token sampler (greedy, temperature, top-k, top-p, seed,
+presence/frequency penalties, logit bias).
 
 Sampling happens only on the stage that holds the last layer. Each request owns a
-``torch.Generator`` seeded from ``SamplingParams.seed`` so its draws do not depend on which other
-requests share the step. Stop conditions (stop token, ``max_tokens``) are decided here too.
+:class:`RequestSampler`: a ``torch.Generator`` seeded from ``SamplingParams.seed`` (so its draws
+do not depend on which other requests share the step) and, when a penalty is set, the counts of
+the tokens it generated. Before a token is picked the logits are adjusted, OpenAI's way:
+``logits[t] += logit_bias[t] - presence_penalty * (count[t] > 0) - frequency_penalty * count[t]``
+(counts include ``prior_output_ids``, the tokens generated before a failover re-prefill). Stop
+conditions (stop token, ``max_tokens``) are decided here too.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from helix.errors import RequestError
+from helix.wire import MAX_LOGIT_BIAS, MAX_PENALTY
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +30,11 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
-    return_logits: bool = False  # attach the sampled row's logits to the output (tests, debugging)
+    presence_penalty: float = 0.0  # in [-2, 2]
+    frequency_penalty: float = 0.0  # in [-2, 2]
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # (token id, bias in [-100, 100])
+    prior_output_ids: tuple[int, ...] = field(default_factory=tuple)  # generated before a re-prefill
+    return_logits: bool = False  # attach the sampled row's logits (as the model gave them) to the output
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -35,6 +45,19 @@ class SamplingParams:
             raise RequestError(f"top_k must be >= 0, got {self.top_k}", param="top_k")
         if not 0.0 < self.top_p <= 1.0:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise RequestError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}", param=name)
+        for token, bias in self.logit_bias:
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise RequestError(f"logit_bias of token {token} must be in [-{MAX_LOGIT_BIAS:g}, "
+                                   f"{MAX_LOGIT_BIAS:g}], got {bias}", param="logit_bias")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the tokens generated so far change the logits."""
+        return bool(self.presence_penalty or self.frequency_penalty)
 
 
 NUCLEUS_CANDIDATES = 1024
@@ -48,6 +71,51 @@ def make_generator(params: SamplingParams) -> torch.Generator:
     else:
         gen.manual_seed(params.seed)
     return gen
+
+
+class RequestSampler:
+    """One request's token picker on the last stage: its generator, its logit bias, and the counts
+    of the tokens it generated (kept only when a penalty is set)."""
+
+    __slots__ = ("params", "generator", "_counts", "_bias_ids", "_bias")
+
+    def __init__(self, params: SamplingParams, vocab_size: int) -> None:
+        bad = [t for t, _ in params.logit_bias if not 0 <= t < vocab_size]
+        if bad:
+            raise RequestError(f"logit_bias names token id {bad[0]}, outside the vocabulary [0, {vocab_size})",
+                               param="logit_bias")
+        bad = [t for t in params.prior_output_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise RequestError(f"prior output token id {bad[0]} is outside the vocabulary [0, {vocab_size})",
+                               param="prior_output_ids")
+        self.params = params
+        self.generator = make_generator(params)
+        self._counts: torch.Tensor | None = None
+        if params.penalized:
+            self._counts = torch.bincount(torch.tensor(params.prior_output_ids, dtype=torch.long),
+                                          minlength=vocab_size).float()
+        self._bias_ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long)
+        self._bias = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32)
+
+    def adjusted(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` (a ``[vocab]`` row) with the logit bias and the penalties applied (a new tensor
+        when anything applies; ``logits`` itself otherwise)."""
+        if self._counts is None and not self._bias.numel():
+            return logits
+        out = logits.float().clone()
+        if self._bias.numel():
+            out.index_add_(0, self._bias_ids, self._bias)
+        if self._counts is not None:
+            p = self.params
+            out -= p.presence_penalty * (self._counts > 0).float() + p.frequency_penalty * self._counts
+        return out
+
+    def sample(self, logits: torch.Tensor) -> int:
+        """Pick the next token from a ``[vocab]`` logits row and count it."""
+        token = sample_token(self.adjusted(logits), self.params, self.generator)
+        if self._counts is not None:
+            self._counts[token] += 1
+        return token
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:

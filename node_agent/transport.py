@@ -46,7 +46,9 @@ def sampling_params(spec: wire.SamplingSpec, max_tokens: int) -> SamplingParams:
     """The engine's sampling parameters for a wire ``SamplingSpec``."""
     return SamplingParams(max_tokens=max_tokens, temperature=spec.temperature, top_k=spec.top_k,
                           top_p=spec.top_p if spec.top_p > 0 else 1.0, seed=spec.seed,
-                          stop_token_ids=spec.stop_token_ids)  # fmt: skip
+                          stop_token_ids=spec.stop_token_ids, presence_penalty=spec.presence_penalty,
+                          frequency_penalty=spec.frequency_penalty, logit_bias=spec.logit_bias,
+                          prior_output_ids=spec.prior_output_ids)  # fmt: skip
 
 
 def configure(sock: zmq.Socket[Any]) -> None:

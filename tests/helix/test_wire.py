@@ -12,7 +12,9 @@ from helix import wire
 from helix.errors import ProtocolError
 
 PIPE = (wire.StageRef("a", 0, 10, "tcp://127.0.0.1:5001"), wire.StageRef("b", 10, 30, "tcp://127.0.0.1:5002"))
-SAMPLING = wire.SamplingSpec(temperature=0.7, top_k=40, top_p=0.9, seed=7, stop_token_ids=(2, 49152))
+SAMPLING = wire.SamplingSpec(temperature=0.7, top_k=40, top_p=0.9, seed=7, stop_token_ids=(2, 49152),
+                             presence_penalty=-0.5, frequency_penalty=1.25, logit_bias=((3, -100.0), (77, 2.5)),
+                             prior_output_ids=(9, 9, 4))
 HIDDEN = struct.pack("<6f", *range(6))
 
 MESSAGES: list[wire.Message] = [
@@ -98,6 +100,28 @@ BAD: dict[str, tuple[list[bytes], str]] = {
                         "ADMIT.sampling.temperature"),
     "unknown sampling field": (_frames({"k": "ADMIT", "request_id": "r", "prompt": [1], "max_tokens": 1,
                                         "sampling": {"beams": 4}, "pipeline": [["a", 0, 30, "t"]]}), "beams"),
+    "penalty out of range": (_frames({"k": "ADMIT", "request_id": "r", "prompt": [1], "max_tokens": 1,
+                                      "sampling": {"frequency_penalty": 2.5}, "pipeline": [["a", 0, 30, "t"]]}),
+                             "ADMIT.sampling.frequency_penalty: expected a number in [-2.0, 2.0]"),
+    "logit bias as a map": (_frames({"k": "ADMIT", "request_id": "r", "prompt": [1], "max_tokens": 1,
+                                     "sampling": {"logit_bias": {"5": 1.0}}, "pipeline": [["a", 0, 30, "t"]]}),
+                            "ADMIT.sampling.logit_bias: expected a list"),
+    "logit bias not a pair": (_frames({"k": "ADMIT", "request_id": "r", "prompt": [1], "max_tokens": 1,
+                                       "sampling": {"logit_bias": [[5]]}, "pipeline": [["a", 0, 30, "t"]]}),
+                              "ADMIT.sampling.logit_bias[0]: expected [token_id, bias]"),
+    "logit bias too large": (_frames({"k": "ADMIT", "request_id": "r", "prompt": [1], "max_tokens": 1,
+                                      "sampling": {"logit_bias": [[5, 101]]}, "pipeline": [["a", 0, 30, "t"]]}),
+                             "ADMIT.sampling.logit_bias[0].bias"),
+    "logit bias negative id": (_frames({"k": "ADMIT", "request_id": "r", "prompt": [1], "max_tokens": 1,
+                                        "sampling": {"logit_bias": [[-5, 1]]}, "pipeline": [["a", 0, 30, "t"]]}),
+                               "ADMIT.sampling.logit_bias[0].token_id"),
+    "logit bias repeated id": (_frames({"k": "ADMIT", "request_id": "r", "prompt": [1], "max_tokens": 1,
+                                        "sampling": {"logit_bias": [[5, 1], [5, 2]]}, "pipeline": [["a", 0, 30, "t"]]}),
+                               "more than once"),
+    "prior output id out of range": (_frames({"k": "ADMIT", "request_id": "r", "prompt": [1], "max_tokens": 1,
+                                              "sampling": {"prior_output_ids": [1, 2**40]},
+                                              "pipeline": [["a", 0, 30, "t"]]}),
+                                     "ADMIT.sampling.prior_output_ids[1]"),
     "gap in pipeline": (_frames({"k": "ADMIT", "request_id": "r", "prompt": [1], "max_tokens": 1, "sampling": {},
                                  "pipeline": [["a", 0, 10, "t"], ["b", 12, 30, "t"]]}), "previous stage ends at 10"),
     "empty layer range": (_frames({"k": "ADMIT", "request_id": "r", "prompt": [1], "max_tokens": 1, "sampling": {},
@@ -168,7 +192,8 @@ def test_fuzz_mutations_only_ever_raise_protocol_error() -> None:
 def test_fuzz_random_headers_only_ever_raise_protocol_error() -> None:
     rng = random.Random(99)
     values: list[object] = [None, True, -1, 0, 7, 2**63, 1.5, float("inf"), "", "x", b"\x00" * 32, [], [1], {}, {"a": 1},
-                            [["a", 0, 30, "t"]], ["a", 0]]
+                            [["a", 0, 30, "t"]], ["a", 0], {"logit_bias": [[1, 2.0]]}, {"presence_penalty": 3},
+                            {"prior_output_ids": [1, -1]}, {"logit_bias": [[1, "x"]]}]
     keys = ["request_id", "step", "token_id", "prompt", "max_tokens", "sampling", "pipeline", "dtype", "shape",
             "position", "admit", "node_id", "tokens", "nonce", "proof", "sender", "seq", "reason", "code"]
     for _ in range(3000):
