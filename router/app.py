@@ -185,7 +185,8 @@ async def _parse(request: Request, model: type[BaseModel], coordinator: Coordina
     if not isinstance(data, dict):
         raise HTTPError(400, "request body must be a JSON object")
     try:
-        body = model.model_validate(data, context={"max_tokens_cap": coordinator.max_tokens_cap})
+        body = model.model_validate(data, context={"max_tokens_cap": coordinator.max_tokens_cap,
+                                                   "vocab_size": coordinator.tokenizer.vocab_size})
     except ValidationError as exc:
         message, param = describe_validation_errors(list(exc.errors()))
         raise HTTPError(400, message, param=param) from exc
@@ -217,7 +218,9 @@ def _generation(coordinator: Coordinator, body: Any, prompt_ids: list[int], *, d
                             param="max_tokens", code="context_length_exceeded")
         max_tokens = room
     return GenerationRequest(prompt_ids=prompt_ids, max_tokens=max_tokens, temperature=body.temperature,
-                             top_p=body.top_p, seed=body.seed, stop=tuple(body.stop_strings))
+                             top_p=body.top_p, seed=body.seed, stop=tuple(body.stop_strings),
+                             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                             logit_bias=body.logit_bias_pairs)
 
 
 def _helix_info(pipelines: Sequence[Pipeline]) -> HelixInfo:

@@ -14,7 +14,8 @@ One :class:`Coordinator` runs inside the HTTP server's asyncio loop. For every r
    which wakes waiting requests. A client that disconnects does the same.
 4. **fails over**: when the transport reports an agent dead (heartbeats stop), the node is
    masked and every request in flight on it gets a new pipeline and is re-prefilled from
-   prompt + tokens generated so far (same greedy output). Each attempt has its own wire
+   prompt + tokens generated so far (same greedy output; the tokens generated so far travel in
+   the sampling parameters too, so presence/frequency penalties keep counting them). Each attempt has its own wire
    request id, so late tokens of an abandoned pipeline are ignored.
 
 The transport is :class:`router.agents_io.AgentsIO` (ZeroMQ, its own I/O thread). It sends
@@ -176,8 +177,7 @@ class Coordinator:
             return False
         flight.attempt += 1
         wire_id = f"{flight.request_id}.{flight.attempt}"
-        sampling = SamplingSpec(temperature=flight.gen.temperature, top_p=flight.gen.top_p, seed=flight.gen.seed,
-                                stop_token_ids=self._stop_ids)
+        sampling = self._sampling(flight)
         try:
             self.io.submit(wire_id, prompt, sampling, pipeline, max_tokens=remaining,
                            on_token=self._callback(flight, wire_id))
@@ -188,6 +188,16 @@ class Coordinator:
         flight.pipelines.append(pipeline)
         self._by_wire[wire_id] = flight
         return True
+
+    def _sampling(self, flight: Flight) -> SamplingSpec:
+        """The attempt's sampling parameters. A re-prefill after a failover carries the tokens
+        generated so far, so the last stage's penalty counts cover the whole output."""
+        gen = flight.gen
+        penalized = bool(gen.presence_penalty or gen.frequency_penalty)
+        return SamplingSpec(temperature=gen.temperature, top_p=gen.top_p, seed=gen.seed, stop_token_ids=self._stop_ids,
+                            presence_penalty=gen.presence_penalty, frequency_penalty=gen.frequency_penalty,
+                            logit_bias=gen.logit_bias,
+                            prior_output_ids=tuple(flight.output_ids) if penalized else ())
 
     def _callback(self, flight: Flight, wire_id: str) -> Callable[[TokenEvent], None]:
         loop = self.loop

@@ -1,31 +1,58 @@
 """OpenAI-compatible HTTP bodies for ``/v1/completions`` and ``/v1/chat/completions``.
 
-Requests are pydantic v2 models that *ignore* unknown fields (the ``openai`` client and other
-tools send many optional fields Helix does not use: ``user``, ``presence_penalty`` at 0 ...) but
-validate every field Helix acts on: types, ranges, ``n == 1``, ``max_tokens`` between 1 and the
-server's cap (passed as validation context ``{"max_tokens_cap": N}``). This is a deliberate
-exception to DESIGN.md's ``extra="forbid"`` for HTTP bodies: forbidding would reject stock
-OpenAI clients. Fields that would change the output and that Helix cannot honour (``n > 1``,
-``logprobs``, ``echo``, ``best_of > 1``) are rejected, never silently ignored.
+What happens to each request field (nothing is silently ignored unless listed as ignored):
 
-Responses and streaming chunks follow OpenAI's shapes, plus one extension field ``helix``
-carrying the pipeline the request took. Errors use OpenAI's ``{"error": {...}}`` body.
+* **Honoured**: ``model``, ``prompt`` / ``messages``, ``max_tokens`` (``max_completion_tokens``),
+  ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``, ``stream_options.include_usage``,
+  ``presence_penalty`` and ``frequency_penalty`` (in [-2, 2], OpenAI's formula over the tokens
+  generated so far: ``logits[t] -= presence * (count[t] > 0) + frequency * count[t]``), and
+  ``logit_bias`` (token id as a decimal string -> bias in [-100, 100], at most
+  :data:`MAX_LOGIT_BIAS_ENTRIES` entries, every id inside the vocabulary, passed as validation
+  context ``{"vocab_size": N}``). Types and ranges are validated; ``max_tokens`` is capped by
+  the server (context ``{"max_tokens_cap": N}``).
+* **Accepted only at their no-op value**: ``n`` (1), ``logprobs`` (off), ``top_logprobs`` (0),
+  ``echo`` (false), ``best_of`` (1), ``suffix`` (empty), ``response_format`` (``{"type":
+  "text"}``: JSON mode and structured outputs are not implemented), ``modalities``
+  (``["text"]``), ``tools`` / ``functions`` (empty), ``tool_choice`` / ``function_call``
+  (``"none"`` or ``"auto"``, which with no tools change nothing). Any other value is a 400.
+* **Accepted and ignored** (:data:`IGNORED_FIELDS`): fields stock OpenAI clients may send that
+  do not change the output: ``user``, ``metadata``, ``store``, ``service_tier``,
+  ``safety_identifier``, ``prompt_cache_key``, ``prompt_cache_retention``,
+  ``prompt_cache_options``, ``parallel_tool_calls`` (meaningless without tools).
+* **Anything else** (``audio``, ``prediction``, ``reasoning_effort``, ``top_k``, typos ...) is a
+  400 naming the field: DESIGN.md's ``extra="forbid"`` for HTTP bodies, with the allow-list
+  above. Unknown fields inside a message or a content part are rejected the same way.
+
+(The ``openai`` Python client sends only the fields its caller passes.) Responses and streaming
+chunks follow OpenAI's shapes, plus one extension field ``helix`` carrying the pipeline the
+request took. Errors use OpenAI's ``{"error": {...}}`` body; ``param`` names the field.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from helix.wire import MAX_LOGIT_BIAS, MAX_PENALTY
+
 DEFAULT_MAX_TOKENS = 16
 MAX_STOP_STRINGS = 4
+MAX_LOGIT_BIAS_ENTRIES = 1024
+IGNORED_FIELDS = frozenset({
+    "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
+    "prompt_cache_options", "parallel_tool_calls",
+})  # fmt: skip
+"""Request fields accepted and dropped: they never change the generated text."""
+
+Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
+Bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
@@ -37,6 +64,16 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     logprobs: Any = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    logit_bias: dict[str, Bias] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_ignored(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if k not in IGNORED_FIELDS}
+        return data
 
     @field_validator("n")
     @classmethod
@@ -70,6 +107,21 @@ class _Request(BaseModel):
             raise ValueError(f"max_tokens={v} exceeds this server's limit of {cap}")
         return v
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_ids(cls, v: dict[str, float] | None, info: ValidationInfo) -> dict[str, float] | None:
+        if not v:
+            return v
+        if len(v) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(v)}")
+        vocab = (info.context or {}).get("vocab_size")
+        for key in v:
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"key {key!r} is not a token id (a non-negative integer as a string)")
+            if vocab is not None and int(key) >= vocab:
+                raise ValueError(f"token id {int(key)} is outside the vocabulary [0, {vocab})")
+        return v
+
     @property
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -77,6 +129,11 @@ class _Request(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage"))
+
+    @property
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as ``(token id, bias)`` pairs in id order (zero biases dropped)."""
+        return tuple(sorted((int(k), float(b)) for k, b in (self.logit_bias or {}).items() if b))
 
 
 class CompletionRequest(_Request):
@@ -112,13 +169,13 @@ class CompletionRequest(_Request):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
@@ -130,11 +187,58 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+NO_FUNCTION_CALLING = "Helix does not implement function calling"
+
+
 class ChatCompletionRequest(_Request):
     """Body of ``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    tool_choice: Any = None
+    function_call: Any = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_top_logprobs(cls, v: int | None) -> int | None:
+        if v:
+            raise ValueError("logprobs are not supported")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None and v != {"type": "text"}:
+            kind = v.get("type")
+            raise ValueError(f"type {kind!r} is not supported: Helix generates plain text only (JSON mode and "
+                             'structured outputs are not implemented); send {"type": "text"} or leave it out')
+        return v
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_modality(cls, v: list[str] | None) -> list[str] | None:
+        if v not in (None, ["text"]):
+            raise ValueError('only ["text"] is supported')
+        return v
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, v: list[Any] | None) -> list[Any] | None:
+        if v:
+            raise ValueError(f"not supported: {NO_FUNCTION_CALLING}")
+        return v
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_choice(cls, v: Any) -> Any:
+        if v not in (None, "none", "auto"):
+            raise ValueError(f"not supported: {NO_FUNCTION_CALLING} (only 'none' or 'auto' with no tools)")
+        return v
 
     @model_validator(mode="after")
     def _merge_max(self, info: ValidationInfo) -> ChatCompletionRequest:
@@ -290,5 +394,8 @@ def describe_validation_errors(errors: list[Any]) -> tuple[str, str | None]:
         if param is None and loc:
             param = loc[0]
         msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        if err.get("type") == "extra_forbidden":
+            msg = ("unknown field: Helix rejects fields it does not implement rather than ignore them "
+                   f"(accepted and ignored: {', '.join(sorted(IGNORED_FIELDS))})")
         parts.append(f"{where}: {msg}" if where else msg)
     return "; ".join(parts) or "invalid request body", param

@@ -34,6 +34,9 @@ class GenerationRequest:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids checked against the vocabulary
 
 
 @dataclass(frozen=True, slots=True)

@@ -57,6 +57,29 @@ def test_kill_mid_generation_same_greedy_output(serving_cluster) -> None:
     assert victim in used
 
 
+def test_penalties_count_the_tokens_generated_before_a_failover(serving_cluster) -> None:
+    """The sampling stage dies mid-answer: the new pipeline's last stage gets the tokens generated so
+    far with the re-prefill, so the frequency penalty keeps counting them and the answer is the one
+    an uninterrupted run gives (a stage that forgot them would go back to repeating " one")."""
+    client = serving_cluster.client()
+    ask = dict(model=MODEL, prompt="one, one, one, one, one, one, one,", max_tokens=32, temperature=0,
+               frequency_penalty=1.0, presence_penalty=0.2)
+    expected = client.completions.create(**ask).choices[0].text
+    parts: list[str] = []
+    victim, info = None, None
+    for chunk in client.completions.create(**ask, stream=True):
+        info = (chunk.model_extra or {}).get("helix") or info
+        if chunk.choices and chunk.choices[0].text:
+            parts.append(chunk.choices[0].text)
+            if len(parts) == 6 and victim is None:
+                victim = info["pipelines"][0][-1]["node"]  # the stage that samples
+                serving_cluster.agents.kill(victim)
+    assert victim is not None, "the answer was too short to kill an agent mid-generation"
+    assert info is not None and info["reroutes"] >= 1 and victim not in [s["node"] for s in info["pipelines"][-1]]
+    assert "".join(parts) == expected
+    _restart(serving_cluster, victim)
+
+
 def test_no_pipeline_left_then_recovery(serving_cluster) -> None:
     client = serving_cluster.client()
     stream = client.chat.completions.create(model=MODEL, messages=POEM, max_tokens=400, temperature=0, stream=True)

@@ -11,6 +11,7 @@ import pytest
 
 MODEL = "smollm2-135m"
 CHAT = [{"role": "user", "content": "Say hi."}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 
 
 def _error(resp: httpx.Response) -> dict:
@@ -34,6 +35,31 @@ def _error(resp: httpx.Response) -> dict:
         ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages", "role"),
         ({"messages": CHAT}, 400, "model", "Field required"),
         ({"model": "gpt-9", "messages": CHAT}, 404, "model", "does not exist"),
+        # fields that would change the output and that Helix does not implement: 400, never ignored
+        ({"model": MODEL, "messages": CHAT, "tools": [TOOL]}, 400, "tools", "function calling"),
+        ({"model": MODEL, "messages": CHAT, "tool_choice": "required"}, 400, "tool_choice", "function calling"),
+        ({"model": MODEL, "messages": CHAT, "functions": [TOOL["function"]]}, 400, "functions", "function calling"),
+        ({"model": MODEL, "messages": CHAT, "function_call": {"name": "f"}}, 400, "function_call", "function calling"),
+        ({"model": MODEL, "messages": CHAT, "response_format": {"type": "json_object"}}, 400, "response_format",
+         "'json_object' is not supported"),
+        ({"model": MODEL, "messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "object"}}}}, 400, "response_format", "'json_schema' is not supported"),
+        ({"model": MODEL, "messages": CHAT, "top_logprobs": 3}, 400, "top_logprobs", "not supported"),
+        ({"model": MODEL, "messages": CHAT, "modalities": ["text", "audio"]}, 400, "modalities", '["text"]'),
+        ({"model": MODEL, "messages": CHAT, "reasoning_effort": "high"}, 400, "reasoning_effort", "unknown field"),
+        ({"model": MODEL, "messages": CHAT, "top_k": 5}, 400, "top_k", "unknown field"),
+        ({"model": MODEL, "messages": CHAT, "temprature": 0}, 400, "temprature", "unknown field"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "x", "name": "bob"}]}, 400, "messages",
+         "messages.0.name: unknown field"),
+        ({"model": MODEL, "messages": CHAT, "presence_penalty": 2.5}, 400, "presence_penalty",
+         "less than or equal to 2"),
+        ({"model": MODEL, "messages": CHAT, "frequency_penalty": -3}, 400, "frequency_penalty",
+         "greater than or equal to -2"),
+        ({"model": MODEL, "messages": CHAT, "logit_bias": {"49152": 5}}, 400, "logit_bias",
+         "token id 49152 is outside the vocabulary [0, 49152)"),
+        ({"model": MODEL, "messages": CHAT, "logit_bias": {"hello": 5}}, 400, "logit_bias", "'hello' is not a token id"),
+        ({"model": MODEL, "messages": CHAT, "logit_bias": {"5": 101}}, 400, "logit_bias",
+         "logit_bias.5: Input should be less than or equal to 100"),
     ],
 )
 def test_bad_chat_bodies(serving_cluster, body, status, param, words) -> None:
@@ -42,6 +68,40 @@ def test_bad_chat_bodies(serving_cluster, body, status, param, words) -> None:
     assert resp.status_code == status, resp.text
     err = _error(resp)
     assert err["param"] == param and words in err["message"], err
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "words"),
+    [
+        ({"logit_bias": {"-1": 3}}, "logit_bias", "'-1' is not a token id"),
+        ({"logit_bias": {"99999": 3}}, "logit_bias", "token id 99999 is outside the vocabulary"),
+        ({"presence_penalty": -2.01}, "presence_penalty", "greater than or equal to -2"),
+        ({"frequency_penalty": 2.01}, "frequency_penalty", "less than or equal to 2"),
+        ({"tools": [TOOL]}, "tools", "unknown field"),  # not a completions field at all
+        ({"response_format": {"type": "text"}}, "response_format", "unknown field"),
+        ({"ignore_eos": True}, "ignore_eos", "unknown field"),
+    ],
+)
+def test_bad_completion_bodies_name_the_field(serving_cluster, extra, param, words) -> None:
+    with serving_cluster.http() as http:
+        resp = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1, **extra})
+    assert resp.status_code == 400, resp.text
+    err = _error(resp)
+    assert err["param"] == param and words in err["message"], err
+
+
+def test_fields_that_do_not_change_the_output_are_accepted(serving_cluster) -> None:
+    """The documented allow-list (and the no-op values of rejected fields) as the openai client sends them."""
+    client = serving_cluster.client()
+    plain = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0)
+    same = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=4, temperature=0, user="u1", metadata={"k": "v"}, store=False,
+        service_tier="auto", safety_identifier="s", prompt_cache_key="c", parallel_tool_calls=False,
+        response_format={"type": "text"}, modalities=["text"], tool_choice="none", logit_bias={},
+        presence_penalty=0, frequency_penalty=0, logprobs=False)
+    assert same.choices[0].message.content == plain.choices[0].message.content
+    text = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, temperature=0, user="u1")
+    assert text.choices[0].text is not None
 
 
 def test_malformed_json_and_wrong_types(serving_cluster) -> None:
