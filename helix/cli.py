@@ -15,6 +15,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
+from helix import __version__
 from helix.errors import HelixError
 
 # command name -> (module that owns it, help). The module defines add_<name>_arguments(parser)
@@ -35,14 +36,29 @@ def _module(name: str):  # noqa: ANN202 - module object
     return importlib.import_module(COMMANDS[name][0])
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows every option's default: argparse's ``(default: X)`` after the help text,
+    unless the text already states it or there is none to state (no value, a flag, a counter)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text or "%(default)" in text or action.default in (None, False, [], argparse.SUPPRESS):
+            return text
+        if isinstance(action, argparse._CountAction):
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser(available: Callable[[str], bool] | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="helix", description="Serve LLMs on clusters of mixed GPUs.")
+    parser = argparse.ArgumentParser(prog="helix", description="Serve LLMs on clusters of mixed GPUs.",
+                                     formatter_class=HelpFormatter)
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    parser.add_argument("--version", action="version", version=f"helix {__version__}", help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_text) in COMMANDS.items():
         if available is not None and not available(name):
             continue
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
         getattr(_module(name), f"add_{name}_arguments")(p)
     return parser
 

@@ -35,11 +35,14 @@ def add_agent_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bind", help="control socket address (default: the node's address, else tcp://127.0.0.1:*)")
     p.add_argument("--data-bind", help="data socket address (default: a free port on the control host)")
     p.add_argument("--secret-env", default="HELIX_SECRET", help="env var holding the shared secret")
-    p.add_argument("--kv-capacity-tokens", type=int, default=65536)
-    p.add_argument("--max-batch-size", type=int, default=32)
-    p.add_argument("--token-budget", type=int, default=512)
+    p.add_argument("--kv-capacity-tokens", type=int, default=65536,
+                   help="KV cache of this stage in tokens (a request reserves prompt + max_tokens up front)")
+    p.add_argument("--max-batch-size", type=int, default=32, help="most requests running in one engine step")
+    p.add_argument("--token-budget", type=int, default=512,
+                   help="most tokens (decodes + prefill chunk) in one engine step; at least --max-batch-size")
     p.add_argument("--chunk-size", type=int, default=256, help="prefill chunk (0 = no chunking)")
-    p.add_argument("--wire-dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--wire-dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="dtype of activations sent to the next stage (bfloat16 halves the bytes)")
     p.add_argument("--max-frame-bytes", type=int, default=64 << 20, help="largest wire frame accepted")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1 when several agents share a host)")
     p.add_argument("--gather-window-ms", type=float,

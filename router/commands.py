@@ -51,8 +51,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", required=True, help="cluster YAML")
     p.add_argument("--plan", required=True, help="plan file (from helix plan)")
-    p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default: 127.0.0.1, loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
     p.add_argument("--agent", action="append", default=[], metavar="NODE=ADDRESS",
                    help="control address of a node's agent (default: the node's address in the cluster file)")
     p.add_argument("--secret-env", default="HELIX_SECRET", help="env var holding the agents' shared secret")
@@ -63,10 +63,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--serve", action="store_true", help="keep serving at http://127.0.0.1:PORT/v1 until Ctrl-C")
     p.add_argument("--port", type=int, default=8000, help="HTTP port on 127.0.0.1 (0: any free port)")
-    p.add_argument("--cluster", default=str(DEMO_CLUSTER), help="cluster YAML (default: clusters/demo)")
+    p.add_argument("--cluster", default=str(DEMO_CLUSTER), help="cluster YAML (default: clusters/demo/cluster.yaml of this checkout)")
     p.add_argument("--method", default="helix", help="planner method (falls back to paper-milp if unavailable)")
     p.add_argument("--prompt", default=DEMO_PROMPT, help="the chat message the demo sends")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=64, help="max_tokens of the demo's chat request")
     _add_common(p)
 
 

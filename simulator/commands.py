@@ -17,7 +17,7 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("plan", help="plan file (JSON or YAML); flows are computed when it has none")
     p.add_argument("--mode", choices=("offline", "online"), default="offline",
                    help="offline: keep the cluster saturated; online: requests arrive at a rate")
-    p.add_argument("--router", choices=ROUTERS, default="iwrr")
+    p.add_argument("--router", choices=ROUTERS, default="iwrr", help="how the coordinator picks each next node")
     p.add_argument("--trace", help="replay a trace (CSV or JSONL: arrival_s, prompt_tokens, output_tokens); implies online")
     rate = p.add_mutually_exclusive_group()
     rate.add_argument("--rate", type=float, help="online: requests per second")
@@ -26,7 +26,7 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lengths", default="azure-conv", help="azure-conv | fixed:P,O | uniform:P0-P1,O0-O1")
     p.add_argument("--duration", type=float, default=600.0, help="measured simulated seconds (after warm-up)")
     p.add_argument("--warmup", type=float, default=60.0, help="simulated seconds before measuring")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="random seed of arrivals, request lengths and the random routers")
     p.add_argument("--watermark", type=float, default=0.85, help="KV high watermark for masking")
     p.add_argument("--max-inflight", type=int, help="offline: keep N requests in flight instead of the KV feeder (sensitivity runs)")
     p.add_argument("--chunk-tokens", type=int,
