@@ -52,7 +52,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", required=True, help="cluster YAML")
     p.add_argument("--plan", required=True, help="plan file (from helix plan)")
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default: 127.0.0.1, loopback only)")
-    p.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port")
     p.add_argument("--agent", action="append", default=[], metavar="NODE=ADDRESS",
                    help="control address of a node's agent (default: the node's address in the cluster file)")
     p.add_argument("--secret-env", default="HELIX_SECRET", help="env var holding the agents' shared secret")
