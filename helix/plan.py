@@ -24,9 +24,9 @@ FLOW_TOLERANCE = 1e-6
 class FlowEdge(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    src: str
-    dst: str
-    tok_s: float = Field(ge=0)
+    src: str = Field(description="a node id or the coordinator's id")
+    dst: str = Field(description="a node id or the coordinator's id")
+    tok_s: float = Field(ge=0, description="tokens/s the plan routes along this link")
 
 
 class Plan(BaseModel):
@@ -34,23 +34,29 @@ class Plan(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    cluster: str
-    model: str
-    method: str
-    placement: dict[str, tuple[int, int]]
-    max_flow_tok_s: float = Field(ge=0)
-    upper_bound_tok_s: float | None = None
-    bound_method: str | None = None
-    flows: list[FlowEdge] = []
-    bottleneck: list[str] = []
-    status: str = "feasible"
-    stop_reason: str | None = None  # why the search stopped: bound_met | stalled | time_limit (None: no search)
-    wall_s: float = 0.0
-    solver: str | None = None
-    objective: str | None = None
-    partial_handoffs: bool = True
-    score: dict[str, float] = {}
-    stats: dict[str, Any] = {}
+    cluster: str = Field(description="the cluster file's `name`")
+    model: str = Field(description="the cluster file's `model`")
+    method: str = Field(description="how the placement was found: helix, paper-milp, petals, swarm, separate, uniform, given")
+    placement: dict[str, tuple[int, int]] = Field(
+        description="per node id: the half-open layer range [start, end) it holds; nodes not listed hold nothing"
+    )
+    max_flow_tok_s: float = Field(ge=0, description="tokens/s: the max flow (serving throughput) of this placement")
+    upper_bound_tok_s: float | None = Field(default=None, description="tokens/s no placement can beat, if proven")
+    bound_method: str | None = Field(default=None, description="how the upper bound was proven")
+    flows: list[FlowEdge] = Field(default=[], description="tokens/s on every link that carries flow")
+    bottleneck: list[str] = Field(default=[], description="a minimum cut: the nodes and links that limit the max flow")
+    status: str = Field(default="feasible", description="optimal | max_flow_optimal | bound_gap | feasible | heuristic | ...")
+    stop_reason: str | None = Field(
+        default=None, description="why the search stopped: bound_met | stalled | time_limit (absent: no search)"
+    )
+    wall_s: float = Field(default=0.0, description="seconds planning took")
+    solver: str | None = Field(default=None, description="the MILP solver and its version, if one ran")
+    objective: str | None = Field(default=None, description="what was optimised: serving | max-flow")
+    partial_handoffs: bool = Field(
+        default=True, description="a request may go on to a node whose range starts inside the last one's (runs the rest)"
+    )
+    score: dict[str, float] = Field(default={}, description="the serving estimate's figures (objective serving)")
+    stats: dict[str, Any] = Field(default={}, description="pipeline depth, KV per layer and the search's own figures")
 
     @field_validator("placement")
     @classmethod

@@ -79,11 +79,13 @@ class _Strict(BaseModel):
 
 
 class ModelProfile(_Strict):
-    num_layers: int = Field(gt=0)
-    hidden_size: int = Field(gt=0)
-    dtype_bytes: int = Field(default=2, gt=0)
-    layer_weight_bytes: float = Field(gt=0)
-    kv_bytes_per_token_per_layer: float = Field(gt=0)
+    """One model's constants (``models.NAME``)."""
+
+    num_layers: int = Field(gt=0, description="decoder layers (transformer blocks)")
+    hidden_size: int = Field(gt=0, description="values per token in the activations between layers")
+    dtype_bytes: int = Field(default=2, gt=0, description="bytes per value: an activation costs hidden_size x dtype_bytes per token")
+    layer_weight_bytes: float = Field(gt=0, description="bytes of one layer's weights")
+    kv_bytes_per_token_per_layer: float = Field(gt=0, description="bytes of KV cache one token takes in one layer (K and V)")
     token_bytes: int = Field(default=2, gt=0, description="bytes of one token id on coordinator links")
 
     @property
@@ -97,17 +99,37 @@ Curve = list[tuple[float, float]]
 class ThroughputProfile(_Strict):
     """How one GPU type runs one model."""
 
-    max_layers: int = Field(gt=0)
-    tok_s: list[float] | None = None
-    prefill_ms_per_layer: Curve | None = None
-    decode_ms_per_layer: Curve | None = None
-    kv_capacity_tokens_by_layers: list[float] | None = None
-    prompt_max_tokens_by_layers: list[int] | None = None  # largest prefill batch (tokens) per step
-    decode_max_tokens_by_layers: list[int] | None = None  # largest decode batch (requests) per step
-    step_overhead_ms: Curve | None = None  # [batch tokens, ms] once per iteration on every stage
-    head_ms: Curve | None = None  # [batch size, ms] once per iteration on the stage with the last layer
-    decode_context_tokens: float | None = Field(default=None, gt=0)  # context the decode curve was measured at
-    decode_ms_per_context_token: float | None = Field(default=None, ge=0)  # per layer, request, token beyond it
+    max_layers: int = Field(gt=0, description="layers: the most one GPU of this type may hold of this model")
+    tok_s: list[float] | None = Field(
+        default=None, description="tokens/s through ALL k layers, k = 1..max_layers (one entry per k); or give the curves"
+    )
+    prefill_ms_per_layer: Curve | None = Field(
+        default=None, description="[batch tokens, ms for ONE layer] points of a prefill step (needs decode_ms_per_layer)"
+    )
+    decode_ms_per_layer: Curve | None = Field(
+        default=None, description="[batch size in requests, ms for ONE layer] points of a decode step"
+    )
+    kv_capacity_tokens_by_layers: list[float] | None = Field(
+        default=None, description="KV entries (token x layer) that fit with k layers held, k = 1, 2, ...; short lists grow"
+    )
+    prompt_max_tokens_by_layers: list[int] | None = Field(
+        default=None, description="largest prefill batch (tokens) per step with k layers held"
+    )
+    decode_max_tokens_by_layers: list[int] | None = Field(
+        default=None, description="largest decode batch (requests) per step with k layers held"
+    )
+    step_overhead_ms: Curve | None = Field(
+        default=None, description="[batch tokens, ms] paid once per iteration by every stage; absent: 0"
+    )
+    head_ms: Curve | None = Field(
+        default=None, description="[batch size, ms] paid once per iteration by the stage with the last layer; absent: 0"
+    )
+    decode_context_tokens: float | None = Field(
+        default=None, gt=0, description="tokens of context per request the decode curve was measured at"
+    )
+    decode_ms_per_context_token: float | None = Field(
+        default=None, ge=0, description="ms one layer pays more per decoding request per context token beyond that"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ThroughputProfile:
@@ -169,13 +191,17 @@ class ThroughputProfile(_Strict):
 
 
 class GpuProfile(_Strict):
-    vram_gb: float = Field(gt=0)
-    throughput: dict[str, ThroughputProfile] = {}
+    """One GPU type (``gpus.NAME``)."""
+
+    vram_gb: float = Field(gt=0, description="GB (10^9 bytes) of GPU memory")
+    throughput: dict[str, ThroughputProfile] = Field(default={}, description="per model name: how fast it runs that model")
 
 
 class ProfileSet(_Strict):
-    models: dict[str, ModelProfile] = {}
-    gpus: dict[str, GpuProfile] = {}
+    """A profiles file: model constants and GPU types."""
+
+    models: dict[str, ModelProfile] = Field(default={}, description="per model name: its constants")
+    gpus: dict[str, GpuProfile] = Field(default={}, description="per GPU type (the `gpu` of nodes): its profile")
 
     @model_validator(mode="after")
     def _extend_by_layers_lists(self) -> ProfileSet:

@@ -24,21 +24,28 @@ class _Strict(BaseModel):
 class CoordinatorSpec(_Strict):
     """The coordinator: source of token ids and sink of sampled tokens."""
 
-    id: str = COORDINATOR_DEFAULT_ID
-    nic_gbps: float | None = Field(default=None, gt=0)
-    region: str | None = None
-    address: str | None = None
+    id: str = Field(default=COORDINATOR_DEFAULT_ID, description="the name links use for the coordinator")
+    nic_gbps: float | None = Field(
+        default=None, gt=0, description="Gbit/s (10^9 bits/s): caps the coordinator's total traffic each way; absent: no cap"
+    )
+    region: str | None = Field(default=None, description="region for `defaults` (absent: same region as every node)")
+    address: str | None = Field(default=None, description="informational: nothing reads it yet (`helix serve --host/--port`)")
 
 
 class NodeSpec(_Strict):
     """One compute node (one GPU, or one CPU process in the local demo)."""
 
-    id: str = Field(min_length=1)
-    gpu: str = Field(min_length=1)
-    region: str | None = None
-    address: str | None = None
+    id: str = Field(min_length=1, description="any name, unique in the cluster (not the coordinator's)")
+    gpu: str = Field(min_length=1, description="GPU type: a key of `gpus` in the profiles")
+    region: str | None = Field(
+        default=None, description="any name; `defaults` link nodes of one region by `intra_region`, others by `inter_region`"
+    )
+    address: str | None = Field(
+        default=None, description='where the node\'s agent listens, e.g. "tcp://10.0.0.7:5555" (absent: a loopback port)'
+    )
     max_layers: int | None = Field(
-        default=None, gt=0, description="hold at most this many layers (below the GPU profile's limit)"
+        default=None, gt=0,
+        description="layers: hold at most this many; may only lower the GPU profile's `max_layers` (higher is an error)",
     )
 
     @property
@@ -48,23 +55,29 @@ class NodeSpec(_Strict):
 
 
 class LinkParams(_Strict):
-    bandwidth_gbps: float = Field(gt=0, description="10^9 bits per second")
-    latency_ms: float = Field(default=0.0, ge=0)
+    """A link's speed (also the form of `defaults.intra_region` / `defaults.inter_region`)."""
+
+    bandwidth_gbps: float = Field(gt=0, description="Gbit/s: 10^9 bits per second, each direction")
+    latency_ms: float = Field(default=0.0, ge=0, description="milliseconds, one way")
 
 
 class LinkSpec(LinkParams):
     """An explicit link; ``bidirectional`` adds the reverse direction with the same numbers."""
 
-    src: str
-    dst: str
-    bidirectional: bool = False
+    src: str = Field(description="a node id or the coordinator's id: where data leaves")
+    dst: str = Field(description="a node id or the coordinator's id: where data arrives")
+    bidirectional: bool = Field(default=False, description="also add dst -> src with the same numbers")
 
 
 class LinkDefaults(_Strict):
     """Links for every pair not listed explicitly; absent means not connected."""
 
-    intra_region: LinkParams | None = None
-    inter_region: LinkParams | None = None
+    intra_region: LinkParams | None = Field(
+        default=None, description="every unlisted pair in one region (or where either has no region); absent: not connected"
+    )
+    inter_region: LinkParams | None = Field(
+        default=None, description="every unlisted pair in two different regions; absent: not connected"
+    )
 
 
 class ResolvedLink(_Strict):
@@ -79,13 +92,17 @@ class ResolvedLink(_Strict):
 class ClusterSpec(_Strict):
     """A cluster file. ``profiles`` paths are relative to the file itself."""
 
-    name: str
-    model: str
-    profiles: str | list[str]
-    coordinator: CoordinatorSpec = CoordinatorSpec()
-    nodes: list[NodeSpec] = Field(min_length=1)
-    links: list[LinkSpec] = []
-    defaults: LinkDefaults | None = None
+    name: str = Field(description="the cluster's name (plans carry it)")
+    model: str = Field(description="the model to serve: a key of `models` in the profiles")
+    profiles: str | list[str] = Field(
+        description="profiles file(s), relative to this file; several are merged (a later file wins per GPU and model)"
+    )
+    coordinator: CoordinatorSpec = Field(default=CoordinatorSpec(), description="the coordinator (all its fields have defaults)")
+    nodes: list[NodeSpec] = Field(min_length=1, description="the compute nodes, one per GPU")
+    links: list[LinkSpec] = Field(default=[], description="explicit directed links; they win over `defaults`")
+    defaults: LinkDefaults | None = Field(
+        default=None, description="links for every pair not in `links`; absent: only listed links exist"
+    )
 
     _source: str = PrivateAttr(default="<cluster>")
 
