@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("router.commands", "Plan, start and query the local demo cluster end to end."),
     "simulate": ("simulator.commands", "Simulate a planned cluster under a workload."),
     "profile": ("profiler.commands", "Measure GPUs and links of a cluster and write its profiles."),
+    "init": ("profiler.starter", "Write a commented starter cluster (and estimated profiles) for the GPUs you name."),
     "show": ("planner.commands", "Draw a plan (graph, layer ranges, flows) to a PNG."),
 }
 

@@ -99,7 +99,8 @@ def _run_estimate(args: argparse.Namespace) -> int:
     model_arg = args.model_config or args.model or (cluster.model if cluster else None)
     if model_arg is None:
         raise ConfigError("give --model NAME or --model-config PATH", field="--model")
-    shape = load_model_shape(model_arg, dtype_bytes=args.dtype_bytes)
+    given_as = "--model-config" if args.model_config else "--model" if args.model else f"{args.cluster}: model"
+    shape = load_model_shape(model_arg, dtype_bytes=args.dtype_bytes, given_as=given_as)
     if cluster is not None and args.model is None and args.model_config is None:
         shape = type(shape)(**{**{f: getattr(shape, f) for f in shape.__slots__}, "name": cluster.model})
     if args.gpus:

@@ -138,8 +138,9 @@ def model_shape_from_dict(raw: dict, name: str, source: str, dtype_bytes: int | 
     )
 
 
-def load_model_shape(spec: str, *, dtype_bytes: int | None = None) -> ModelShape:
-    """A built-in model name, or a path to a ``config.json`` / YAML file (directory: its config.json)."""
+def load_model_shape(spec: str, *, dtype_bytes: int | None = None, given_as: str = "--model") -> ModelShape:
+    """A built-in model name, or a path to a ``config.json`` / YAML file (directory: its config.json).
+    ``given_as`` names where the user gave ``spec`` (the flag, or the cluster file's field) for errors."""
     if spec.lower() in BUILTIN_MODELS:
         shape = BUILTIN_MODELS[spec.lower()]
         if dtype_bytes is None:
@@ -149,8 +150,12 @@ def load_model_shape(spec: str, *, dtype_bytes: int | None = None) -> ModelShape
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
+        if given_as == "--model-config":
+            raise ConfigError(f"no such file or directory: {spec!r} (a Hugging Face config.json, or its directory)",
+                              field=given_as)  # fmt: skip
         known = ", ".join(BUILTIN_MODELS)
-        raise ConfigError(f"not a built-in model ({known}) and no such file", source=spec, field="--model-config")
+        raise ConfigError(f"unknown model {spec!r}: not a built-in model ({known}) and no such file or directory; "
+                          "for another model give --model-config PATH to its Hugging Face config.json", field=given_as)
     try:
         text = path.read_text()
         raw = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)

@@ -170,3 +170,23 @@ def test_subprocess_exit_code_and_no_traceback(tmp_path) -> None:
     proc = subprocess.run([sys.executable, "-m", "helix.cli", "plan", str(path)], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and "nodes[1].gpu" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "blamed", "not_blamed"),
+    [
+        (["--model", "mistral-7b"], "error: --model: unknown model 'mistral-7b'", "--model-config:"),
+        (["--model-config", "no/such/config.json"], "error: --model-config: no such file", "--model:"),
+    ],
+)
+def test_estimate_blames_the_flag_the_user_passed(capsys, flags: list[str], blamed: str, not_blamed: str) -> None:
+    err = expect_error(capsys, ["profile", "--estimate", "--gpus", "A100", *flags], blamed)
+    assert not_blamed not in err
+    if flags[0] == "--model":
+        assert "llama-2-70b" in err and "smollm2-135m" in err  # the models it knows
+
+
+def test_estimate_of_a_cluster_blames_its_model_field(tmp_path, capsys) -> None:
+    path = write(tmp_path, mutate(lambda c: c.update(model="mistral-7b")))
+    err = expect_error(capsys, ["profile", "--estimate", "--cluster", str(path)], "model: unknown model 'mistral-7b'")
+    assert "--model" not in err.split("unknown model")[0]
