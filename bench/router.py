@@ -8,14 +8,17 @@ Measures on the paper's 24-node cluster with the paper's MILP placement (flows c
 2. over 10,000 routed requests, each edge's share of requests vs its share of the plan's flow
    (requests over the edge / requests routed  vs  edge flow / max flow).
 
-End-to-end serving numbers (concurrent streaming requests, tokens/s ceiling, TTFT on the demo
-cluster) are measured by ``bench/serving.py``.
+Both in rounds (``bench/harness.py``, default 5, a few seconds each): the verdicts are on the
+medians over the rounds (decision time is a timing on shared cores; the shares are deterministic,
+so their rounds agree by construction). End-to-end serving numbers (concurrent streaming
+requests, tokens/s ceiling, TTFT on the demo cluster) are measured by ``bench/serving.py``.
 
-Run: ``.venv/bin/python bench/router.py``
+Run: ``.venv/bin/python bench/router.py [--rounds 5]``
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
 import statistics
 import sys
@@ -26,13 +29,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from helix.plan import load_plan  # noqa: E402
 from helix.profile import load_profiles_for  # noqa: E402
 from helix.spec import load_cluster  # noqa: E402
 from router.policy import Router, RouteRequest  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "bench"))  # after the packages: bench/router.py must not shadow router/
+from harness import RoundLog, Target, add_rounds_option, make_console, report  # noqa: E402
 
 CLUSTER = ROOT / "clusters" / "helix-paper-single24" / "cluster.yaml"
 PLAN = ROOT / "clusters" / "helix-paper-single24" / "reference" / "milp.json"
@@ -78,33 +83,35 @@ def edge_shares(n: int = 10_000) -> list[tuple[str, str, float, float]]:
     return [(s, d, f / total, counts[(s, d)] / n) for (s, d), f in sorted(flows.items())]
 
 
-def main() -> int:
-    console = Console()
-    median_us, p99_us = decision_time()
-    t = Table(title="Routing decision (24-node paper cluster, MILP plan, KV masking on)")
-    t.add_column("metric")
-    t.add_column("value", justify="right")
-    t.add_column("target", justify="right")
-    t.add_row("median µs / request", f"{median_us:.1f}", "≤ 50")
-    t.add_row("p99 µs / request", f"{p99_us:.1f}", "")
-    console.print(t)
+MEDIAN = "median decision µs / request"
+SHARE = "worst relative edge-share diff (edges ≥ 1% of flow)"
+TARGETS = {MEDIAN: Target("<=", 50.0, unit="µs"), SHARE: Target("<=", 2.0, unit="%")}
 
-    rows = edge_shares()
-    worst_abs = max(abs(r[3] - r[2]) for r in rows)
-    worst_rel = max(abs(r[3] - r[2]) / r[2] for r in rows if r[2] >= 0.01)
-    t = Table(title="Edge share of 10,000 routed requests vs share of the plan's flow")
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_rounds_option(ap, 5, "a few seconds each")
+    args = ap.parse_args()
+    console = make_console()
+    log = RoundLog()
+    rows: list[tuple[str, str, float, float]] = []
+    for r in log.each_round(args.rounds):
+        median_us, p99_us = decision_time()
+        rows = edge_shares()
+        log.record(r, MEDIAN, median_us, "µs")
+        log.record(r, "p99 decision µs / request", p99_us, "µs")
+        log.record(r, "worst |diff| of edge share, points", 100 * max(abs(x[3] - x[2]) for x in rows))
+        log.record(r, SHARE, 100 * max(abs(x[3] - x[2]) / x[2] for x in rows if x[2] >= 0.01), "%")
+    t = Table(title="Edge share of 10,000 routed requests vs share of the plan's flow (the last round)")
     for col in ("edge", "flow share", "request share", "diff (points)"):
         t.add_column(col, justify="right" if col != "edge" else "left")
     for s, d, fs, rs in rows:
         t.add_row(f"{s} -> {d}", f"{fs:.4f}", f"{rs:.4f}", f"{100 * (rs - fs):+.2f}")
     console.print(t)
-    console.print(
-        f"edges: {len(rows)}  worst |diff| = {100 * worst_abs:.3f} points, worst relative diff "
-        f"(edges with ≥1% of flow) = {100 * worst_rel:.2f}%  (target: within 2%)"
-    )
+    verdicts = report(console, log, f"Routing on the 24-node paper cluster, MILP plan, KV masking on ({len(rows)} edges), "
+                                    f"{args.rounds} round(s)", TARGETS)
     console.print("[dim]end-to-end serving numbers: bench/serving.py[/]")
-    ok = median_us <= 50 and worst_rel <= 0.02
-    return 0 if ok else 1
+    return 0 if all(v.passed for v in verdicts) else 1
 
 
 if __name__ == "__main__":
