@@ -22,6 +22,8 @@ FLOW_TOLERANCE = 1e-6
 
 
 class FlowEdge(BaseModel):
+    """The flow on one directed link of the cluster graph (an entry of `flows`)."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     src: str = Field(description="a node id or the coordinator's id")

@@ -57,7 +57,7 @@ class NodeSpec(_Strict):
 class LinkParams(_Strict):
     """A link's speed (also the form of `defaults.intra_region` / `defaults.inter_region`)."""
 
-    bandwidth_gbps: float = Field(gt=0, description="Gbit/s: 10^9 bits per second, each direction")
+    bandwidth_gbps: float = Field(gt=0, description="Gbit/s: 10^9 bits per second")
     latency_ms: float = Field(default=0.0, ge=0, description="milliseconds, one way")
 
 
