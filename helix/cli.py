@@ -87,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from rich.console import Console
         from rich.markup import escape
 
-        Console(stderr=True, highlight=False).print(f"[bold red]error:[/] {escape(exc.message)}")
+        Console(stderr=True, highlight=False).print(f"[bold red]error:[/] {escape(exc.message)}", soft_wrap=True)
         return exc.exit_code
     except KeyboardInterrupt:
         return 130

@@ -18,6 +18,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from helix.console import print_table
 from helix.errors import ConfigError, HelixError
 from helix.plan import Plan, node_inflow
 from helix.profile import ProfileSet, load_profiles_for
@@ -33,7 +34,6 @@ from planner.api import (
     serving_estimate,
 )
 from planner.budget import Clock, Deadline, describe_stop
-from planner.console import print_table
 from planner.graph import CapacityModel
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from helix.console import print_table
 from helix.errors import ConfigError
 from helix.profile import ProfileSet
 from helix.spec import load_cluster
@@ -144,7 +145,7 @@ def print_profiles(console: Console, profiles: ProfileSet, *, title: str) -> Non
             kv = tp.kv_capacity_tokens_by_layers[0] if tp.kv_capacity_tokens_by_layers else float("nan")
             table.add_row(gpu, model, str(tp.max_layers), f"{pre:.2f}", f"{d1:.3f}", f"{d32:.3f}", f"{kv:,.0f}",
                           f"{tok[0]:,.0f}", f"{tok[-1]:,.0f}")  # fmt: skip
-    console.print(table)
+    print_table(console, table)
 
 
 def _at(curve: list[tuple[float, float]] | None, x: float) -> float:
@@ -189,7 +190,7 @@ def _run_measure(args: argparse.Namespace) -> int:
             table.add_column(col, justify="left" if col in ("src", "dst") else "right")
         for m in result.links:
             table.add_row(m.src, m.dst, f"{m.bandwidth_gbps:.2f}", f"{m.latency_ms:.3f}")
-        console.print(table)
+        print_table(console, table)
     cached = f" (cache hits: {', '.join(result.cache_hits)})" if result.cache_hits else ""
     console.print(f"profiles written to [bold]{result.profiles_path}[/]{cached}")
     listed = {p.resolve() for p in cluster.profile_paths()}

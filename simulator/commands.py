@@ -43,10 +43,10 @@ def run_simulate(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
+    from helix.console import print_table
     from helix.profile import load_profiles_for
     from helix.spec import load_cluster
     from planner.api import load_for_evaluation
-    from planner.console import print_table
     from simulator.engine import SimConfig, simulate
     from simulator.workload import load_trace
 

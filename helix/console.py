@@ -1,7 +1,7 @@
-"""Rich output for the CLI commands: tables whose cells are never cut.
+"""Rich output shared by every command: tables whose cells are never cut.
 
 A rich table wider than the console shrinks its columns and cuts cells with "…" — at 80
-columns (a CI log, ``COLUMNS=80``) that cut the planner's node names and numbers.
+columns (a CI log, ``COLUMNS=80``) that cut node names and numbers.
 :func:`print_table` gives every value column (right-aligned: numbers, ranges, ratios) at
 least the width of its widest cell. On a terminal, text columns (names) fold onto more lines
 where space is short; elsewhere (a log, a pipe) the table is printed as wide as it takes to
