@@ -152,7 +152,7 @@ def make_plan(
         stats = dict(getattr(res, "stats", None) or {})
         given_flows = list(getattr(res, "flows", None) or [])
         stop_reason = getattr(res, "stop_reason", None)
-    return finish_plan(
+    plan = finish_plan(
         cluster,
         profiles,
         placement,
@@ -169,6 +169,24 @@ def make_plan(
         cap=cap,
         flows=given_flows,
         stop_reason=stop_reason,
+    )
+    if plan.max_flow_tok_s <= 0:
+        raise InfeasiblePlanError(_why_no_pipeline(cluster, method))
+    return plan
+
+
+def _why_no_pipeline(cluster: ClusterSpec, method: str) -> str:
+    """Why the best placement serves nothing: no chain of linked nodes covers every layer."""
+    nodes = {n.id for n in cluster.nodes}
+    linked = [pair for pair in cluster.resolved_links() if pair[0] in nodes and pair[1] in nodes]
+    why = (
+        "this cluster has no links between its nodes (add `defaults: {intra_region: ...}` or `links:`)"
+        if not linked
+        else f"only {len(linked)} directed node-to-node links exist; no chain of linked nodes can hold every layer"
+    )
+    return (
+        f"{cluster.source}: no complete pipeline: the {method} placement serves 0 tok/s; a pipeline is a chain "
+        f"of linked nodes from the coordinator and back that runs every layer, and {why}"
     )
 
 
