@@ -9,9 +9,11 @@ ignored) all submitted at t=0 (offline throughput).
   loopback, driven through ``router.agents_io.AgentsIO`` (ADMIT, ACTIVATIONS node to node, TOKENS
   to the coordinator, STEP back to the first stage).
 
-Figures: tokens/s (prompt + generated) and generated tokens/s, and the ratio agents / one process.
-Run: ``.venv/bin/python bench/agents.py [--quick]`` (about 4-5 min on 2 shared cores); :func:`section`
-has the signature of ``bench/engine.py``'s ``SECTIONS`` entries.
+Figures: tokens/s (prompt + generated) and generated tokens/s, and the ratio agents / one process,
+in rounds (``bench/harness.py``): the agents start once, then each round runs both arms on a fresh
+request sample, in ABBA order; the verdict is on the median of the per-round ratios.
+Run: ``.venv/bin/python bench/agents.py [--rounds 3] [--quick]`` (about 1.5 min per round on 2 shared
+cores); :func:`section` has the signature of ``bench/engine.py``'s ``SECTIONS`` entries.
 """
 
 from __future__ import annotations
@@ -28,15 +30,23 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rich.console import Console  # noqa: E402
+from harness import (  # noqa: E402
+    RoundLog,
+    Target,
+    add_rounds_option,
+    arm_order,
+    figures_table,
+    make_console,
+    verdict_lines,
+)
 from rich.progress import Progress  # noqa: E402
-from rich.table import Table  # noqa: E402
 
 from helix import wire  # noqa: E402
 from node_agent.engine import StageEngine  # noqa: E402
@@ -48,11 +58,14 @@ from router.agents_io import AgentsIO  # noqa: E402
 from router.launch import process_cpu_seconds  # noqa: E402
 from router.pipeline import Stage  # noqa: E402
 
-console = Console()
+console = make_console()
 SPLIT = {"a": (0, 10), "b": (10, 20), "c": (20, 30)}
 SCHED = dict(max_batch_size=16, token_budget=256, chunk_size=64)
 OUTPUT_TOKENS = 32
 SECRET = "bench-secret"
+ROUNDS = 3  # the ratio sits far from its target (1.3x vs 0.7x): three rounds agree
+TARGET = Target(">=", 0.7)
+RATIO = "throughput ratio agents ÷ one process"
 
 
 def workload(n: int, seed: int = 0) -> list[list[int]]:
@@ -94,39 +107,53 @@ def start_agents(model_dir: Path, root: Path) -> tuple[dict[str, subprocess.Pope
     return procs, controls
 
 
-def three_agents(controls: dict[str, str], prompts: list[list[int]]) -> float:
-    events: queue.Queue[TokenEvent] = queue.Queue()
+def three_agents(io: AgentsIO, events: queue.Queue[TokenEvent], prompts: list[list[int]], tag: str) -> float:
     pipeline = [Stage(n, *r) for n, r in SPLIT.items()]
-    with AgentsIO(controls, secret=SECRET.encode(), dead_after_s=5.0, on_token=events.put) as io:
-        if not io.wait_ready(timeout_s=60):
-            raise SystemExit(f"agents not ready: {io.agents()}")
-        io.submit("warm", [1, 2, 3], wire.SamplingSpec(), pipeline, max_tokens=2)
-        while not events.get(timeout=60).finished:
-            pass
-        t0 = time.perf_counter()
-        for i, p in enumerate(prompts):
-            io.submit(str(i), p, wire.SamplingSpec(), pipeline, max_tokens=OUTPUT_TOKENS)
-        done = 0
-        while done < len(prompts):
-            event = events.get(timeout=300)
-            if event.error:
-                raise SystemExit(f"request {event.request_id} failed: {event.error}")
-            done += event.finished
-        return time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        io.submit(f"{tag}-{i}", p, wire.SamplingSpec(), pipeline, max_tokens=OUTPUT_TOKENS)
+    done = 0
+    while done < len(prompts):
+        event = events.get(timeout=300)
+        if event.error:
+            raise SystemExit(f"request {event.request_id} failed: {event.error}")
+        done += event.finished
+    return time.perf_counter() - t0
 
 
-def section(model_dir: Path, quick: bool, progress: Progress | None = None) -> Table:
-    """The comparison as one table (fits ``bench/engine.py``'s ``SECTIONS`` signature)."""
-    prompts = workload(12 if quick else 32)
-    prompt_tokens = sum(map(len, prompts))
-    generated = OUTPUT_TOKENS * len(prompts)
-    task = progress.add_task("3 agents vs one process", total=2) if progress is not None else None
+def section(model_dir: Path, quick: bool, rounds: int | None = None, progress: Progress | None = None) -> list[Any]:
+    """The comparison as a table and its verdict (fits ``bench/engine.py``'s ``SECTIONS`` signature)."""
+    n = 12 if quick else 32
+    rounds = rounds or (1 if quick else ROUNDS)
+    task = progress.add_task("3 agents vs one process", total=2 * rounds) if progress is not None else None
+    log = RoundLog()
     with tempfile.TemporaryDirectory() as tmp:
         procs, controls = start_agents(model_dir, Path(tmp))
+        events: queue.Queue[TokenEvent] = queue.Queue()
         try:
-            cpu0 = sum(process_cpu_seconds(p.pid) for p in procs.values())
-            agents_s = three_agents(controls, prompts)
-            agents_cpu = sum(process_cpu_seconds(p.pid) for p in procs.values()) - cpu0
+            with AgentsIO(controls, secret=SECRET.encode(), dead_after_s=5.0, on_token=events.put) as io:
+                if not io.wait_ready(timeout_s=60):
+                    raise SystemExit(f"agents not ready: {io.agents()}")
+                three_agents(io, events, [[1, 2, 3]], "warm")  # first-call allocations on every stage
+                one_process(model_dir, workload(2, seed=99))  # warm-up
+                for r in log.each_round(rounds):
+                    prompts = workload(n, seed=r)
+                    tokens = sum(map(len, prompts)) + OUTPUT_TOKENS * n
+                    for arm in arm_order(["3 agents", "one process"], r):
+                        if arm == "3 agents":
+                            cpu0 = sum(process_cpu_seconds(p.pid) for p in procs.values())
+                            secs = three_agents(io, events, prompts, f"r{r}")
+                            cpu = sum(process_cpu_seconds(p.pid) for p in procs.values()) - cpu0
+                        else:
+                            cpu0 = time.process_time()
+                            secs = one_process(model_dir, prompts)
+                            cpu = time.process_time() - cpu0
+                        log.record(r, f"tokens/s, {arm}", tokens / secs, "tok/s")
+                        log.record(r, f"generated tok/s, {arm}", OUTPUT_TOKENS * n / secs, "tok/s")
+                        log.record(r, f"CPU s (all processes), {arm}", cpu, "s")
+                        if progress is not None and task is not None:
+                            progress.advance(task)
+                    log.ratio(RATIO, "tokens/s, 3 agents", "tokens/s, one process")
         finally:
             for proc in procs.values():
                 proc.send_signal(signal.SIGTERM)
@@ -135,35 +162,19 @@ def section(model_dir: Path, quick: bool, progress: Progress | None = None) -> T
                     proc.wait(timeout=15)
                 except subprocess.TimeoutExpired:
                     proc.kill()
-    if progress is not None and task is not None:
-        progress.advance(task)
-    one_process(model_dir, prompts[:2])  # warm-up
-    cpu0 = time.process_time()
-    single_s = one_process(model_dir, prompts)
-    single_cpu = time.process_time() - cpu0
-    if progress is not None and task is not None:
-        progress.advance(task)
-    ratio = single_s / agents_s
-    verdict = "meets" if ratio >= 0.7 else "MISSES"
-    table = Table(title=f"Three agents over ZeroMQ vs one process ({len(prompts)} requests, {prompt_tokens} prompt "
-                        f"+ {generated} generated tokens, 1 torch thread per process, 2 shared cores)",
-                  caption=f"throughput ratio agents / one process: {ratio:.2f}x ({verdict} the >= 0.7x target)")
-    for col in ("setup", "wall s", "tokens/s", "generated tok/s", "CPU s (all processes)"):
-        table.add_column(col, justify="right" if col != "setup" else "left")
-    rows = (("one process, layers [0,30)", single_s, single_cpu),
-            ("3 agents [0,10) [10,20) [20,30)", agents_s, agents_cpu))
-    for name, secs, cpu in rows:
-        table.add_row(name, f"{secs:.2f}", f"{(prompt_tokens + generated) / secs:.1f}", f"{generated / secs:.1f}",
-                      f"{cpu:.1f}")
-    return table
+    title = (f"Three agents over ZeroMQ [0,10) [10,20) [20,30) vs one process [0,30) ({n} requests per round, "
+             f"prompts U(32, 256), {OUTPUT_TOKENS} output tokens, 1 torch thread per process, {rounds} round(s))")
+    return [figures_table(log, title, {RATIO: TARGET}), *verdict_lines(log, {RATIO: TARGET})]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="12 requests instead of 32")
+    parser.add_argument("--quick", action="store_true", help="12 requests instead of 32, one round")
+    add_rounds_option(parser, None, f"{ROUNDS}, or 1 with --quick: the ratio sits far from its target")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    console.print(section(cached_model_dir(), args.quick))
+    for part in section(cached_model_dir(), args.quick, args.rounds):
+        console.print(part)
 
 
 if __name__ == "__main__":

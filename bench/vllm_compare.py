@@ -25,13 +25,16 @@ so neither steals the other's core:
 Figures, per engine: generated tokens/s and total (prompt + generated) tokens/s, by wall clock and
 by the process's CPU time, and the ratio ours / vLLM. The verdict uses the CPU-time ratio: it is
 robust to other tenants on the shared cores (CPU/wall < T means the run was preempted), while the
-wall-clock ratio is printed beside it. Both engines warm up on one small request first;
+wall-clock ratio is printed beside it. Both engines start once and warm up on one small request;
 vLLM's start-up (load + torch.compile, ~1.5 min cold, cached in ~/.cache/vllm after) is not timed.
-The greedy outputs are compared too (same weights, same fp32: they should mostly agree).
+Then ``--rounds`` rounds (``bench/harness.py``), each on a fresh request sample, the two engines in
+ABBA order (the vLLM worker stays up between rounds and takes each round's requests on its stdin);
+the verdict is on the median of the per-round ratios. The greedy outputs are compared too (same
+weights, same fp32: they should mostly agree).
 
 If vLLM cannot be started, the bench prints ``vLLM unavailable: <reason>`` and exits 0.
 
-Run: ``.venv/bin/python bench/vllm_compare.py [--quick] [--threads 1]`` (docs/bench-vllm.md).
+Run: ``.venv/bin/python bench/vllm_compare.py [--rounds 4] [--quick] [--threads 1]`` (bench/README.md).
 :func:`section` has the signature of ``bench/engine.py``'s ``SECTIONS`` entries.
 """
 
@@ -42,6 +45,7 @@ import json
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -52,13 +56,19 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rich.progress import Progress
-    from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also under the vLLM venv's python
+from harness import RoundLog, Target, add_rounds_option, arm_order, figures_table, verdict_lines  # noqa: E402
+
 VLLM_PYTHON = os.environ.get("HELIX_VLLM_PYTHON", "/work/vllm-venv/bin/python")
 VOCAB = 49152
 SCHED = dict(max_batch_size=32, token_budget=512, chunk_size=256)  # = node_agent SchedulerConfig() defaults
-TARGET = 0.8
+TARGET = Target(">=", 0.8)
+RATIO_CPU = "ours ÷ vLLM, by CPU time"
+RATIO_WALL = "ours ÷ vLLM, by wall clock"
+ROUNDS = 4  # the ratio sat at 0.84-0.86x, near its 0.8x target: an even number of ABBA rounds
+REQUESTS = 24
 
 
 def workload(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -80,7 +90,7 @@ class Result:
 
 
 # ---- the vLLM side: runs under the vLLM venv's python, imports nothing from this project -------
-def vllm_worker(spec_path: str, out_path: str) -> None:
+def vllm_worker(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     print("@@phase importing vllm", flush=True)
     import torch
@@ -114,13 +124,18 @@ def vllm_worker(spec_path: str, out_path: str) -> None:
 
     print("@@phase warm-up", flush=True)
     run([spec["warmup"]], False)
-    print("@@phase generating", flush=True)
-    t0, c0 = time.perf_counter(), time.process_time()
-    outputs = run(spec["requests"], True)
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    Path(out_path).write_text(json.dumps({
-        "wall_s": wall, "cpu_s": cpu, "outputs": outputs, "threads": torch.get_num_threads(),
-        "note": f"vllm {__version__}, torch {torch.__version__}"}))
+    print("@@ready", flush=True)
+    for line in sys.stdin:  # one round per line: {"requests": path, "out": path}; EOF ends the worker
+        job = json.loads(line)
+        print("@@phase generating", flush=True)
+        reqs = json.loads(Path(job["requests"]).read_text())
+        t0, c0 = time.perf_counter(), time.process_time()
+        outputs = run(reqs, True)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        Path(job["out"]).write_text(json.dumps({
+            "wall_s": wall, "cpu_s": cpu, "outputs": outputs, "threads": torch.get_num_threads(),
+            "note": f"vllm {__version__}, torch {torch.__version__}"}))
+        print("@@result", flush=True)
 
 
 # ---- the project side ----------------------------------------------------------------------------
@@ -128,141 +143,191 @@ class VLLMUnavailable(Exception):
     pass
 
 
-def run_vllm(model_dir: Path, reqs: list[tuple[list[int], int]], threads: int, python: str,
-             progress: Progress, log_path: Path) -> Result:
-    if not Path(python).is_file():
-        raise VLLMUnavailable(f"no vLLM venv python at {python} (see docs/bench-vllm.md to create it)")
-    probe = subprocess.run([python, "-c", "import vllm, sys; sys.stdout.write(vllm.__version__)"],
-                           capture_output=True, text=True, timeout=300)
-    if probe.returncode != 0:
-        tail = (probe.stderr.strip().splitlines() or ["?"])[-1]
-        raise VLLMUnavailable(f"'import vllm' fails under {python}: {tail}")
-    task = progress.add_task(f"vLLM {probe.stdout.strip()}: starting", total=len(reqs))
-    with tempfile.TemporaryDirectory(prefix="helix-vllm-") as tmp:
-        spec, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        spec.write_text(json.dumps({"model_dir": str(model_dir), "requests": reqs, "warmup": WARMUP,
+class VLLMWorker:
+    """vLLM in a subprocess of its own venv's python, started once; :meth:`run` serves one round."""
+
+    def __init__(self, model_dir: Path, threads: int, python: str, progress: Progress, log_path: Path) -> None:
+        if not Path(python).is_file():
+            raise VLLMUnavailable(f"no vLLM venv python at {python} (see bench/README.md to create it)")
+        probe = subprocess.run([python, "-c", "import vllm, sys; sys.stdout.write(vllm.__version__)"],
+                               capture_output=True, text=True, timeout=300)
+        if probe.returncode != 0:
+            tail = (probe.stderr.strip().splitlines() or ["?"])[-1]
+            raise VLLMUnavailable(f"'import vllm' fails under {python}: {tail}")
+        self.progress, self.log_path = progress, log_path
+        self.task = progress.add_task(f"vLLM {probe.stdout.strip()}: starting", total=None)
+        self.tmp = Path(tempfile.mkdtemp(prefix="helix-vllm-"))
+        spec = self.tmp / "spec.json"
+        spec.write_text(json.dumps({"model_dir": str(model_dir), "warmup": WARMUP,
                                     "max_num_seqs": SCHED["max_batch_size"],
                                     "max_num_batched_tokens": SCHED["token_budget"]}))
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
                "TOKENIZERS_PARALLELISM": "false", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-        with log_path.open("w") as log:
-            proc = subprocess.Popen([python, str(Path(__file__).resolve()), "--vllm-worker", str(spec), str(out)],
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp)
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                log.write(line)
-                if m := re.match(r"@@phase (.*)", line):
-                    progress.update(task, description=f"vLLM: {m.group(1)}")
-                elif m := re.match(r"@@done (\d+)", line):
-                    progress.update(task, completed=int(m.group(1)))
-            proc.wait()
-        if proc.returncode != 0 or not out.is_file():
-            lines = [ln for ln in log_path.read_text().splitlines() if ln.strip() and not ln.startswith("@@")]
-            raise VLLMUnavailable(f"the vLLM run exited with {proc.returncode}: "
-                                  f"{lines[-1] if lines else '?'} (log: {log_path})")
+        self.log = log_path.open("w")
+        self.proc = subprocess.Popen([python, str(Path(__file__).resolve()), "--vllm-worker", str(spec)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, env=env, cwd=self.tmp)
+        self._until("@@ready")
+
+    def _until(self, marker: str) -> None:
+        """Relay the worker's output to the log and the progress bar until it prints ``marker``."""
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.log.write(line)
+            if line.startswith(marker):
+                return
+            if m := re.match(r"@@phase (.*)", line):
+                self.progress.update(self.task, description=f"vLLM: {m.group(1)}")
+            elif m := re.match(r"@@done (\d+) (\d+)", line):
+                self.progress.update(self.task, completed=int(m.group(1)), total=int(m.group(2)))
+        self.log.flush()
+        code = self.proc.wait()
+        lines = [ln for ln in self.log_path.read_text().splitlines() if ln.strip() and not ln.startswith("@@")]
+        raise VLLMUnavailable(f"the vLLM worker exited with {code}: {lines[-1] if lines else '?'} (log: {self.log_path})")
+
+    def run(self, reqs: list[tuple[list[int], int]], tag: str) -> Result:
+        assert self.proc.stdin is not None
+        requests, out = self.tmp / f"requests-{tag}.json", self.tmp / f"out-{tag}.json"
+        requests.write_text(json.dumps(reqs))
+        self.proc.stdin.write(json.dumps({"requests": str(requests), "out": str(out)}) + "\n")
+        self.proc.stdin.flush()
+        self._until("@@result")
         data = json.loads(out.read_text())
-    return Result(data["wall_s"], data["cpu_s"], data["outputs"], data["threads"], data["note"])
+        return Result(data["wall_s"], data["cpu_s"], data["outputs"], data["threads"], data["note"])
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def run_ours(model_dir: Path, reqs: list[tuple[list[int], int]], threads: int, progress: Progress) -> Result:
-    import torch
+class Ours:
+    """One ``StageEngine`` holding layers [0, 30), built and warmed once; :meth:`run` serves one round."""
 
-    from node_agent.engine import StageEngine
-    from node_agent.sampling import SamplingParams
-    from node_agent.scheduler import SchedulerConfig
+    def __init__(self, model_dir: Path, threads: int, progress: Progress) -> None:
+        import torch
 
-    torch.set_num_threads(threads)
-    engine = StageEngine(model_dir, kv_capacity_tokens=1 << 16, scheduler=SchedulerConfig(**SCHED))  # type: ignore[arg-type]
-    engine.add_request("warmup", SamplingParams(max_tokens=WARMUP[1]), prompt_token_ids=WARMUP[0])
-    while engine.has_unfinished:
-        engine.step()
-    task = progress.add_task("ours: one StageEngine [0, 30)", total=len(reqs))
-    outputs: dict[str, list[int]] = {str(i): [] for i in range(len(reqs))}
-    t0, c0 = time.perf_counter(), time.process_time()
-    for i, (p, m) in enumerate(reqs):
-        engine.add_request(str(i), SamplingParams(max_tokens=m), prompt_token_ids=p)
-    while engine.has_unfinished:
-        for out in engine.step().outputs:
-            if out.token is not None:
-                outputs[out.request_id].append(out.token)
-                if out.finish_reason:
-                    progress.advance(task)
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    return Result(wall, cpu, [outputs[str(i)] for i in range(len(reqs))], torch.get_num_threads(),
-                  f"torch {torch.__version__}")
+        from node_agent.engine import StageEngine
+        from node_agent.sampling import SamplingParams
+        from node_agent.scheduler import SchedulerConfig
+
+        torch.set_num_threads(threads)
+        self.params, self.progress, self.torch = SamplingParams, progress, torch
+        self.engine = StageEngine(model_dir, kv_capacity_tokens=1 << 16, scheduler=SchedulerConfig(**SCHED))  # type: ignore[arg-type]
+        self.engine.add_request("warmup", SamplingParams(max_tokens=WARMUP[1]), prompt_token_ids=WARMUP[0])
+        while self.engine.has_unfinished:
+            self.engine.step()
+
+    def run(self, reqs: list[tuple[list[int], int]], tag: str) -> Result:
+        task = self.progress.add_task(f"ours, {tag}: one StageEngine [0, 30)", total=len(reqs))
+        outputs: dict[str, list[int]] = {f"{tag}-{i}": [] for i in range(len(reqs))}
+        t0, c0 = time.perf_counter(), time.process_time()
+        for i, (p, m) in enumerate(reqs):
+            self.engine.add_request(f"{tag}-{i}", self.params(max_tokens=m), prompt_token_ids=p)
+        while self.engine.has_unfinished:
+            for out in self.engine.step().outputs:
+                if out.token is not None:
+                    outputs[out.request_id].append(out.token)
+                    if out.finish_reason:
+                        self.progress.advance(task)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        self.progress.remove_task(task)
+        return Result(wall, cpu, list(outputs.values()), self.torch.get_num_threads(), f"torch {self.torch.__version__}")
 
 
-def compare(model_dir: Path, n: int, threads: int, python: str, progress: Progress,
-            log_path: Path) -> tuple[Table, float | None]:
-    from rich.table import Table
+def record(log: RoundLog, r: int, engine: str, res: Result, prompt_tokens: int, gen_tokens: int) -> None:
+    log.record(r, f"wall s, {engine}", res.wall_s, "s")
+    log.record(r, f"CPU/wall, {engine}", res.cpu_s / res.wall_s)
+    log.record(r, f"total tok/s by CPU, {engine}", (prompt_tokens + gen_tokens) / res.cpu_s, "tok/s")
+    log.record(r, f"total tok/s by wall, {engine}", (prompt_tokens + gen_tokens) / res.wall_s, "tok/s")
 
-    reqs = workload(n)
-    prompt_tokens = sum(len(p) for p, _ in reqs)
-    gen_tokens = sum(m for _, m in reqs)
-    title = (f"One agent with all layers vs vLLM (CPU) — SmolLM2-135M float32, Orca mix, {n} requests at t=0 "
-             f"({prompt_tokens} prompt + {gen_tokens} generated tokens), {threads} thread(s) each, run one after the other; "
-             f"ours: prefill chunk {SCHED['chunk_size']}")
-    table = Table(title=title)
-    for col in ("engine", "wall s", "CPU s", "CPU/wall", "gen tok/s (wall)", "total tok/s (wall)",
-                "gen tok/s (CPU)", "total tok/s (CPU)"):
-        table.add_column(col, justify="right")
-    ours = run_ours(model_dir, reqs, threads, progress)
-    progress.console.print(f"  ours: {gen_tokens / ours.wall_s:.1f} generated tok/s, "
-                           f"{(prompt_tokens + gen_tokens) / ours.wall_s:.1f} total tok/s (wall)")
-    rows = {"ours": ours}
+
+def compare(model_dir: Path, n: int, threads: int, python: str, rounds: int, progress: Progress,
+            log_path: Path) -> list[Any]:
+    """``rounds`` rounds of both engines on fresh ``n``-request samples, ABBA; the table and verdict."""
+    log = RoundLog()
+    ours = Ours(model_dir, threads, progress)
+    notes = {"ours": f"StageEngine [0, 30), torch {ours.torch.__version__}, {threads} thread(s)"}
+    unavailable = ""
     try:
-        vllm = run_vllm(model_dir, reqs, threads, python, progress, log_path)
+        vllm: VLLMWorker | None = VLLMWorker(model_dir, threads, python, progress, log_path)
     except (VLLMUnavailable, OSError, subprocess.SubprocessError) as exc:
-        vllm = None
-        table.caption = f"vLLM unavailable: {exc}"
-        progress.console.print(f"[bold red]vLLM unavailable: {exc}")
-    if vllm is not None:
-        rows["vLLM"] = vllm
-        progress.console.print(f"  vLLM: {gen_tokens / vllm.wall_s:.1f} generated tok/s, "
-                               f"{(prompt_tokens + gen_tokens) / vllm.wall_s:.1f} total tok/s (wall)")
-    for name, r in rows.items():
-        table.add_row(name, f"{r.wall_s:.2f}", f"{r.cpu_s:.2f}", f"{r.cpu_s / r.wall_s:.2f}",
-                      f"{gen_tokens / r.wall_s:.1f}", f"{(prompt_tokens + gen_tokens) / r.wall_s:.1f}",
-                      f"{gen_tokens / r.cpu_s:.1f}", f"{(prompt_tokens + gen_tokens) / r.cpu_s:.1f}")
-    if vllm is None:
-        return table, None
-    ratio_wall, ratio_cpu = vllm.wall_s / ours.wall_s, vllm.cpu_s / ours.cpu_s
-    table.add_row("ratio ours / vLLM", "", "", "", f"{ratio_wall:.2f}x", f"{ratio_wall:.2f}x",
-                  f"{ratio_cpu:.2f}x", f"{ratio_cpu:.2f}x", style="bold")
-    same = sum(a == b for a, b in zip(ours.outputs, vllm.outputs, strict=True))
-    agree = sum(x == y for a, b in zip(ours.outputs, vllm.outputs, strict=True) for x, y in zip(a, b, strict=False))
-    verdict = "meets" if ratio_cpu >= TARGET else "BELOW"
-    table.caption = (f"throughput ratio ours/vLLM: {ratio_cpu:.2f}x by CPU time (target >= {TARGET}x: {verdict}); "
-                     f"{ratio_wall:.2f}x by wall clock (skewed when other tenants preempt one run more: see CPU/wall)\nours: StageEngine [0, 30), {ours.note}, {ours.threads} torch thread(s); "
-                     f"vLLM: {vllm.note}, {vllm.threads} torch thread(s)\n"
-                     f"greedy outputs identical for {same}/{n} requests, {agree}/{gen_tokens} tokens equal "
-                     f"position by position; vLLM log: {log_path}")
-    return table, ratio_cpu
+        vllm, unavailable = None, f"vLLM unavailable: {exc}"
+        progress.console.print(f"[bold red]{unavailable}")
+    same = agree = total_gen = 0
+    try:
+        for r in log.each_round(rounds, lambda text: progress.console.print(f"  {text}")):
+            reqs = workload(n, seed=r)
+            prompt_tokens, gen_tokens = sum(len(p) for p, _ in reqs), sum(m for _, m in reqs)
+            results: dict[str, Result] = {}
+            for engine in arm_order(["ours", "vLLM"], r):
+                if engine == "ours":
+                    results[engine] = ours.run(reqs, f"r{r}")
+                elif vllm is not None:
+                    try:
+                        results[engine] = vllm.run(reqs, f"r{r}")
+                    except VLLMUnavailable as exc:
+                        vllm, unavailable = None, f"vLLM unavailable: {exc}"
+                        progress.console.print(f"[bold red]{unavailable}")
+            for engine, res in results.items():
+                record(log, r, engine, res, prompt_tokens, gen_tokens)
+            if "vLLM" in results:
+                a, b = results["ours"].outputs, results["vLLM"].outputs
+                notes["vLLM"] = f"{results['vLLM'].note}, {results['vLLM'].threads} thread(s)"
+                same += sum(x == y for x, y in zip(a, b, strict=True))
+                agree += sum(p == q for x, y in zip(a, b, strict=True) for p, q in zip(x, y, strict=False))
+                total_gen += gen_tokens
+            progress.console.print("    " + ", ".join(
+                f"{e} {res.wall_s:.1f} s wall, {res.cpu_s:.1f} s CPU" for e, res in results.items()))
+    finally:
+        if vllm is not None:
+            vllm.close()
+    log.ratio(RATIO_CPU, "total tok/s by CPU, ours", "total tok/s by CPU, vLLM")
+    log.ratio(RATIO_WALL, "total tok/s by wall, ours", "total tok/s by wall, vLLM")
+    title = (f"One agent with all layers vs vLLM (CPU) — SmolLM2-135M float32, Orca mix, {n} requests at t=0 per "
+             f"round, {rounds} round(s), engines in ABBA order; ours: prefill chunk {SCHED['chunk_size']}")
+    targets = {RATIO_CPU: TARGET} if total_gen else {}
+    table = figures_table(log, title, targets)
+    caption = [f"{e}: {note}" for e, note in notes.items()]
+    if total_gen:
+        caption.append(f"greedy outputs identical for {same}/{n * rounds} requests, {agree}/{total_gen} tokens equal "
+                       f"position by position; the verdict is by CPU time (robust to preemption: see CPU/wall); "
+                       f"vLLM log: {log_path}")
+    table.caption = "\n".join(caption)
+    out: list[Any] = [table, *verdict_lines(log, targets)]
+    return out + [f"[bold red]{unavailable}[/]"] if unavailable else out
 
 
-def section(model_dir: Path, quick: bool, progress: Progress) -> Table:
-    """``bench/engine.py`` SECTIONS entry: one thread each, 16 requests (``quick``: 8)."""
-    table, _ = compare(model_dir, 8 if quick else 16, 1, VLLM_PYTHON, progress,
-                       Path(tempfile.gettempdir()) / "helix-vllm-compare.log")
-    return table
+def section(model_dir: Path, quick: bool, rounds: int | None, progress: Progress) -> list[Any]:
+    """``bench/engine.py`` SECTIONS entry: one thread each, 16 requests per round (``quick``: 8, one round)."""
+    from router.tokenizer import ensure_tokenizer_dir
+
+    return compare(ensure_tokenizer_dir(model_dir), 8 if quick else 16, 1, VLLM_PYTHON, rounds or (1 if quick else ROUNDS),
+                   progress, Path(tempfile.gettempdir()) / "helix-vllm-compare.log")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="8 requests instead of --requests")
-    parser.add_argument("--requests", type=int, default=24, help="requests in the workload (default 24)")
+    parser.add_argument("--quick", action="store_true", help="8 requests instead of --requests, one round")
+    parser.add_argument("--requests", type=int, default=REQUESTS, help=f"requests per round (default {REQUESTS})")
+    add_rounds_option(parser, None, f"{ROUNDS}, or 1 with --quick: the ratio sits near its 0.8x target")
     parser.add_argument("--threads", type=int, default=1, help="torch / OpenMP threads for EACH engine (default 1)")
     parser.add_argument("--chunk", type=int, default=SCHED["chunk_size"],
                         help=f"our prefill chunk (default {SCHED['chunk_size']}, the agent's; 512 = vLLM's step budget)")
     parser.add_argument("--vllm-python", default=VLLM_PYTHON, help="python of the venv holding vllm-cpu")
     parser.add_argument("--log", type=Path, default=Path(tempfile.gettempdir()) / "helix-vllm-compare.log",
                         help="where vLLM's own output goes")
-    parser.add_argument("--vllm-worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--vllm-worker", metavar="SPEC", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.vllm_worker:
-        vllm_worker(*args.vllm_worker)
+        vllm_worker(args.vllm_worker)
         return
     SCHED["chunk_size"] = args.chunk
     sys.path.insert(0, str(ROOT))
@@ -274,11 +339,13 @@ def main() -> None:
 
     console = Console(width=max(Console().width, 120))
     t0 = time.perf_counter()
+    rounds = args.rounds or (1 if args.quick else ROUNDS)
     with Progress(console=console, transient=True) as progress:
-        table, _ = compare(ensure_tokenizer_dir(cached_model_dir()), 8 if args.quick else args.requests, args.threads,
-                           args.vllm_python, progress, args.log)
-    console.print(table)
-    console.print(f"[dim]total bench time {time.perf_counter() - t0:.0f} s[/]")
+        parts = compare(ensure_tokenizer_dir(cached_model_dir()), 8 if args.quick else args.requests, args.threads,
+                        args.vllm_python, rounds, progress, args.log)
+    for part in parts:
+        console.print(part)
+    console.print(f"[dim]total bench time {time.perf_counter() - t0:.0f} s (vLLM's start-up included)[/]")
 
 
 if __name__ == "__main__":
