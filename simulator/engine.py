@@ -101,7 +101,13 @@ class Simulation:
             gpu = cluster.node(nid).gpu
             tp = profiles.throughput(gpu, cluster.model)
             if tp.prefill_ms_per_layer is None or tp.decode_ms_per_layer is None:
-                raise ConfigError(f"GPU {gpu!r} has no prefill/decode latency curves to simulate", field=f"gpus.{gpu}")
+                raise ConfigError(
+                    f"GPU {gpu!r} has only a tok_s table for {cluster.model}; the simulator needs its latency curves "
+                    f"(prefill_ms_per_layer, decode_ms_per_layer): measure them with `helix profile --cluster "
+                    f"{cluster.source}` and list the file it writes last in the cluster's profiles:",
+                    source=", ".join(str(path) for path in cluster.profile_paths()),
+                    field=f"gpus.{gpu}.throughput.{cluster.model}",
+                )
             k = e - s
             pmax = tp.prompt_max_tokens_by_layers[k - 1] if tp.prompt_max_tokens_by_layers else 4096
             dmax = tp.decode_max_tokens_by_layers[k - 1] if tp.decode_max_tokens_by_layers else 256

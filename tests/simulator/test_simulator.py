@@ -332,3 +332,15 @@ def test_cli_text_says_duration_warmup_and_load(capsys, monkeypatch, tmp_path) -
                  "--mode", "online", "--load", "0.5", "--cv", "2"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "load: online: 50% of the plan's max flow, Gamma cv 2 arrivals; lengths azure-conv" in out
+
+
+def test_a_tok_s_only_profile_says_how_to_get_latency_curves(capsys, tmp_path) -> None:
+    from helix.cli import main
+
+    demo = Path(__file__).resolve().parents[2] / "clusters" / "demo"
+    path = tmp_path / "placement.json"
+    path.write_text(json.dumps({"placement": {"cpu-0": [0, 30]}}))
+    assert main(["simulate", str(demo / "cluster.yaml"), str(path), "--duration", "2"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "profiles-smollm2.yaml: gpus.cpu.throughput.smollm2-135m" in err
+    assert "helix profile --cluster" in err and "Traceback" not in err
