@@ -338,9 +338,11 @@ def check_profiles(cluster: ClusterSpec, profiles: ProfileSet) -> None:
     total = sum(node_max_layers(n, profiles.throughput(n.gpu, cluster.model)) for n in cluster.nodes)
     if total < num_layers:
         lines = "\n".join(f"  {line}" for line in layer_limits(cluster, profiles))
+        capped = [n.id for n in cluster.nodes if n.max_layers is not None]
+        own = f"raise or remove the max_layers of nodes {', '.join(capped)} in {src}, " if capped else ""
         raise InfeasiblePlanError(
             f"{src}: model {cluster.model!r} has {num_layers} layers but all nodes together hold at most {total}:\n"
-            f"{lines}\nto plan it: raise max_layers in the profile (up to what the weights alone allow; its KV "
+            f"{lines}\nto plan it: {own}raise max_layers in the profile (up to what the weights alone allow; its KV "
             "list grows by the rule in docs/profiler.md), re-estimate with a smaller KV reserve "
             "(helix profile --estimate --kv-requests N / --kv-reserve-gb GB), or add nodes"
         )

@@ -94,3 +94,12 @@ def test_raising_a_profile_limit_by_hand_extends_its_kv_list(tmp_path: Path) -> 
     with pytest.raises(ConfigError, match=r"profiles.yaml: .*gpus.T4.throughput.llama-2-70b: max_layers 8 leaves no "
                                           r"KV space.*at most 7 layers fit"):  # fmt: skip
         load_profiles_for(load_cluster(cluster))
+
+
+def test_nodes_capped_in_the_cluster_file_are_named_as_a_way_out(tmp_path: Path) -> None:
+    nodes = [{**n, "max_layers": 3} if n["gpu"] == "T4" else n for n in NODES]
+    cluster = write_cluster(tmp_path, nodes)
+    estimate(cluster)  # A100-80GB: 25 layers each, T4 capped at 3 by the cluster file: 68 < 80
+    with pytest.raises(InfeasiblePlanError) as info:
+        load_profiles_for(load_cluster(cluster))
+    assert f"raise or remove the max_layers of nodes t0, t1, t2, t3, t4, t5 in {cluster}" in info.value.message
