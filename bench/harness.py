@@ -224,7 +224,8 @@ def figures_table(log: RoundLog, title: str, targets: Mapping[str, Target] | Non
     targets = targets or {}
     table = Table(title=title)
     table.add_column("figure")
-    for col in ("median", "min–max", *(f"r{i + 1}" for i in range(len(log.rounds))), "target", "rounds passing"):
+    columns = ("median", "min–max", *(f"r{i + 1}" for i in range(len(log.rounds))))
+    for col in (*columns, "target", "rounds passing") if targets else columns:
         table.add_column(col, justify="right")
     for name in names or log.names:
         s, unit = log.spread(name), log.units.get(name, "")
@@ -232,7 +233,8 @@ def figures_table(log: RoundLog, title: str, targets: Mapping[str, Target] | Non
         rng = f"{format_value(s.low)}–{format_value(s.high)}" if len(s.values) > 1 else ""
         cells = [format_value(math.nan if v is None else v) for v in log.values(name)]
         passing = f"{Verdict(name, s, target).passing}/{s.rounds}" if target else ""
-        table.add_row(name, format_value(s.median, unit), rng, *cells, str(target or ""), passing)
+        extra = (str(target or ""), passing) if targets else ()
+        table.add_row(name, format_value(s.median, unit), rng, *cells, *extra)
     return table
 
 

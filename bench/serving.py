@@ -10,9 +10,13 @@
     32 concurrent chat clients, beside one process running the same engine with all layers on
     the same requests.
 
-    python bench/serving.py [--part a|b|all] [--concurrency 300] [--requests 600] [--max-tokens 32]
+    python bench/serving.py [--part a|b|all] [--rounds 3] [--concurrency 300] [--requests 600] [--max-tokens 32]
 
-The machine is shared (2 cores): absolute figures are noisy, the ratios less so.
+Both parts run in rounds (``bench/harness.py``): the processes start once, then each round runs
+the load again ((b): the cluster and the one-process engine in ABBA order) and the figures are
+medians over the rounds with their spread; (a)'s target (>= 300 concurrent streams with no
+errors) is judged on the median error count, with how many rounds had none. The machine is
+shared (2 cores): absolute figures are noisy, the ratios less so.
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(1, str(REPO / "bench"))  # after the packages: bench/router.py must not shadow router/
+from harness import RoundLog, Target, add_rounds_option, arm_order, figures_table, make_console, report  # noqa: E402
+
 DEMO_CLUSTER = REPO / "clusters" / "demo" / "cluster.yaml"
 PROMPTS = ["Write a short story about a lighthouse keeper.", "Explain why the sky is blue.",
            "List some uses of a paperclip.", "Describe a walk in a forest in autumn."]
@@ -43,8 +50,9 @@ PROMPTS = ["Write a short story about a lighthouse keeper.", "Explain why the sk
 # -- fake agents -----------------------------------------------------------------------------------
 
 
-def fake_agents_main(nodes: list[str], secret: bytes, token_ids: list[int], ready: mp.Queue, stop: mp.Event) -> None:
-    """Run one fake agent per node in this process (one loop over all their sockets)."""
+def fake_agents_main(nodes: dict[str, tuple[int, int]], secret: bytes, token_ids: list[int], ready: mp.Queue,
+                     stop: mp.Event) -> None:
+    """Run one fake agent per node (node -> its layer range) in this process (one loop over all their sockets)."""
     import zmq
 
     from helix import wire
@@ -82,7 +90,7 @@ def fake_agents_main(nodes: list[str], secret: bytes, token_ids: list[int], read
                     if wire.verify(secret, msg.proof, "coordinator", ours, theirs):
                         state["coordinators"].add(identity)
                         sock.send_multipart([identity, *wire.encode(wire.Welcome(
-                            state["node"], 0, 30, 10**9, "tcp://127.0.0.1:1"))])
+                            state["node"], *nodes[state["node"]], 10**9, "tcp://127.0.0.1:1"))])
                 elif isinstance(msg, wire.Admit):
                     running[msg.request_id] = [msg.reply_to, 0, msg.max_tokens, state["node"]]
                 elif isinstance(msg, wire.Cancel):
@@ -222,7 +230,7 @@ async def run_load(base: str, concurrency: int, total: int, max_tokens: int, *, 
 # -- (a) coordinator ceiling -----------------------------------------------------------------------
 
 
-def part_a(concurrency: int, total: int, max_tokens: int) -> None:
+def part_a(concurrency: int, total: int, max_tokens: int, rounds: int) -> None:
     from helix.profile import load_profiles_for
     from helix.spec import load_cluster
     from planner.api import finish_plan
@@ -232,33 +240,44 @@ def part_a(concurrency: int, total: int, max_tokens: int) -> None:
     cluster = load_cluster(DEMO_CLUSTER)
     workdir = Path(tempfile.mkdtemp(prefix="helix-bench-"))
     plan_path = workdir / "plan.json"
-    finish_plan(cluster, load_profiles_for(cluster), {n.id: (0, 30) for n in cluster.nodes}, method="manual").save(plan_path)
+    # the first node holds every layer, the others split them (the demo caps them at 16 layers): three pipelines
+    layers = load_profiles_for(cluster).models[cluster.model].num_layers
+    others = [n.id for n in cluster.nodes[1:]]
+    placement = {cluster.nodes[0].id: (0, layers)} | {
+        node: (i * layers // len(others), (i + 1) * layers // len(others)) for i, node in enumerate(others)}
+    finish_plan(cluster, load_profiles_for(cluster), placement, method="manual").save(plan_path)
     token_ids = ChatTokenizer.from_dir(ensure_tokenizer_dir(None)).encode(" the quick brown fox jumps over the lazy dog")
     secret = secrets.token_hex(8)
     ready, stop = mp.Queue(), mp.Event()
-    fakes = mp.Process(target=fake_agents_main, args=([n.id for n in cluster.nodes], secret.encode(), token_ids,
+    fakes = mp.Process(target=fake_agents_main, args=(placement, secret.encode(), token_ids,
                                                       ready, stop), daemon=True)
     fakes.start()
     addresses = dict(ready.get(timeout=30) for _ in cluster.nodes)
     serve, base = start_serve(DEMO_CLUSTER, plan_path, addresses, secret)
+    log, first_error = RoundLog(), ""
     try:
         asyncio.run(run_load(base, 8, 16, max_tokens, chat=False))  # warm-up
-        cpu0 = process_cpu_seconds(serve.pid)
-        res = asyncio.run(run_load(base, concurrency, total, max_tokens, chat=False))
-        cpu = process_cpu_seconds(serve.pid) - cpu0
+        for r in log.each_round(rounds, lambda text: print(f"    (a) {text}", flush=True)):
+            cpu0 = process_cpu_seconds(serve.pid)
+            res = asyncio.run(run_load(base, concurrency, total, max_tokens, chat=False))
+            cpu = process_cpu_seconds(serve.pid) - cpu0
+            first_error = first_error or (res.errors[0] if res.errors else "")
+            log.record(r, "failed requests", total - res.requests, "")
+            log.record(r, "delivered tokens/s", res.tok_s, "tok/s")
+            log.record(r, "coordinator CPU-s per 1000 tokens", 1000 * cpu / max(1, res.tokens), "s")
+            log.record(r, "ceiling on one core, tokens/s", res.tokens / max(cpu, 1e-9), "tok/s")
+            log.record(r, "TTFT p50", res.ttft_ms(0.5), "ms")
+            log.record(r, "TTFT p99", res.ttft_ms(0.99), "ms")
     finally:
         serve.terminate()
         serve.wait(timeout=20)
         stop.set()
         fakes.join(timeout=10)
-    print(f"\n(a) coordinator vs instant fake agents: {concurrency} concurrent streaming clients, {total} requests "
-          f"x {max_tokens} tokens")
-    print(f"    completed {res.requests}/{total}, errors {len(res.errors)}"
-          + (f" (first: {res.errors[0]})" if res.errors else ""))
-    print(f"    delivered {res.tok_s:,.0f} tokens/s ({res.tokens} tokens in {res.wall_s:.1f} s); coordinator CPU "
-          f"{cpu:.1f} s = {1000 * cpu / max(1, res.tokens):.2f} CPU-s per 1000 tokens "
-          f"(ceiling on one core ~{res.tokens / max(cpu, 1e-9):,.0f} tokens/s)")
-    print(f"    TTFT p50 {res.ttft_ms(0.5):.0f} ms, p99 {res.ttft_ms(0.99):.0f} ms")
+    print()
+    report(CONSOLE, log, f"(a) coordinator vs instant fake agents: {concurrency} concurrent streaming clients, {total} "
+                         f"requests x {max_tokens} tokens per round", {"failed requests": Target("<=", 0, unit="")})
+    if first_error:
+        CONSOLE.print(f"first error: {first_error}")
 
 
 # -- (b) demo cluster end to end vs one engine process -------------------------------------------
@@ -281,34 +300,38 @@ def plan_demo(workdir: Path) -> Path:
     return path
 
 
-def engine_figures(levels: list[int], max_tokens: int) -> dict[int, LoadResult]:
+class OneProcess:
     """The same chat requests on one process holding all layers (node_agent.engine, 1 torch thread)."""
-    import torch
 
-    from node_agent.engine import StageEngine
-    from node_agent.gguf_convert import cached_model_dir
-    from node_agent.sampling import SamplingParams
-    from router.tokenizer import ChatTokenizer, ensure_tokenizer_dir
+    def __init__(self) -> None:
+        import torch
 
-    torch.set_num_threads(1)
-    model_dir = ensure_tokenizer_dir(cached_model_dir())
-    tok = ChatTokenizer.from_dir(model_dir)
-    engine = StageEngine(model_dir)
-    out: dict[int, LoadResult] = {}
-    stops = tuple(tok.eos_token_ids)
-    for level in levels:
-        total = max(level, 4)
-        res = LoadResult()
+        from node_agent.engine import StageEngine
+        from node_agent.gguf_convert import cached_model_dir
+        from node_agent.sampling import SamplingParams
+        from router.tokenizer import ChatTokenizer, ensure_tokenizer_dir
+
+        torch.set_num_threads(1)
+        model_dir = ensure_tokenizer_dir(cached_model_dir())
+        self.tok = ChatTokenizer.from_dir(model_dir)
+        self.engine = StageEngine(model_dir)
+        self.params = SamplingParams
+        self.served = 0  # request ids stay unique across rounds
+
+    def load(self, level: int, max_tokens: int) -> LoadResult:
+        """``max(level, 4)`` requests in waves of ``level`` (the clients' concurrency)."""
+        total, res, stops = max(level, 4), LoadResult(), tuple(self.tok.eos_token_ids)
         t0 = time.monotonic()
         for wave in range(0, total, level):
             start = time.monotonic()
             first: dict[str, float] = {}
             for i in range(wave, min(total, wave + level)):
-                ids = tok.encode_chat([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}])
-                engine.add_request(f"r{level}-{i}", SamplingParams(max_tokens=max_tokens, stop_token_ids=stops),
-                                   prompt_token_ids=ids)
-            while engine.has_unfinished:
-                for o in engine.step().outputs:
+                ids = self.tok.encode_chat([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}])
+                self.served += 1
+                self.engine.add_request(f"r{self.served}", self.params(max_tokens=max_tokens, stop_token_ids=stops),
+                                        prompt_token_ids=ids)
+            while self.engine.has_unfinished:
+                for o in self.engine.step().outputs:
                     if o.token is not None:
                         res.tokens += 1
                         first.setdefault(o.request_id, time.monotonic() - start)
@@ -316,44 +339,58 @@ def engine_figures(levels: list[int], max_tokens: int) -> dict[int, LoadResult]:
                             res.requests += 1
             res.ttft_s += list(first.values())
         res.wall_s = time.monotonic() - t0
-        out[level] = res
-    return out
+        return res
 
 
-def part_b(levels: list[int], max_tokens: int) -> None:
+def part_b(levels: list[int], max_tokens: int, rounds: int) -> None:
+    from helix.plan import load_plan
     from router.launch import AgentProcesses
 
     print("\n(b) demo cluster end to end (3 agents + helix serve) vs one engine process")
     workdir = Path(tempfile.mkdtemp(prefix="helix-bench-"))
     plan = plan_demo(workdir)
     secret = secrets.token_hex(8)
-    from helix.plan import load_plan
-
     nodes = list(load_plan(plan).placement)
-    cluster_res: dict[int, LoadResult] = {}
+    log = RoundLog()
     with AgentProcesses(DEMO_CLUSTER, plan, workdir, secret=secret) as agents:
         agents.start(nodes)
         addresses = agents.wait_ready(timeout_s=300)
         serve, base = start_serve(DEMO_CLUSTER, plan, addresses, secret)
         try:
             asyncio.run(run_load(base, 1, 1, 4, chat=True))  # warm-up
-            for level in levels:
-                cluster_res[level] = asyncio.run(run_load(base, level, max(level, 4), max_tokens, chat=True))
+            one = OneProcess()  # the agents idle meanwhile (their heartbeats only)
+            one.load(1, 4)  # warm-up
+            for r in log.each_round(rounds, lambda text: print(f"    (b) {text}", flush=True)):
+                for arm in arm_order(["cluster", "engine"], r):
+                    for level in levels:
+                        if arm == "cluster":
+                            res = asyncio.run(run_load(base, level, max(level, 4), max_tokens, chat=True))
+                            log.record(r, f"cluster errors @{level}", len(res.errors))
+                        else:
+                            res = one.load(level, max_tokens)
+                        log.record(r, f"{arm} tok/s @{level}", res.tok_s, "tok/s")
+                        log.record(r, f"{arm} TTFT p50 @{level}", res.ttft_ms(0.5), "ms")
+                        log.record(r, f"{arm} TTFT p99 @{level}", res.ttft_ms(0.99), "ms")
+                for level in levels:
+                    log.ratio(f"cluster ÷ engine tok/s @{level}", f"cluster tok/s @{level}", f"engine tok/s @{level}")
         finally:
             serve.terminate()
             serve.wait(timeout=20)
-    engine_res = engine_figures(levels, max_tokens)
-    print(f"    {'clients':>7} | {'cluster tok/s':>13} {'TTFT p50':>9} {'TTFT p99':>9} {'errors':>6} | "
-          f"{'engine tok/s':>12} {'TTFT p50':>9} {'TTFT p99':>9} | {'ratio':>5}")
-    for level in levels:
-        c, e = cluster_res[level], engine_res[level]
-        print(f"    {level:>7} | {c.tok_s:>13.1f} {c.ttft_ms(0.5):>7.0f}ms {c.ttft_ms(0.99):>7.0f}ms {len(c.errors):>6} | "
-              f"{e.tok_s:>12.1f} {e.ttft_ms(0.5):>7.0f}ms {e.ttft_ms(0.99):>7.0f}ms | {c.tok_s / e.tok_s:>5.2f}")
+    names = [f"{what} @{level}" for level in levels for what in (
+        "cluster tok/s", "cluster TTFT p50", "cluster TTFT p99", "cluster errors",
+        "engine tok/s", "engine TTFT p50", "engine TTFT p99", "cluster ÷ engine tok/s")]
+    CONSOLE.print(figures_table(log, f"(b) demo cluster vs one engine process, {max_tokens} max tokens, "
+                                     f"@N = N concurrent chat clients, {rounds} round(s) (no target: reported)", names=names))
+    CONSOLE.print(f"[dim]{log.timing_line()}[/]")
+
+
+CONSOLE = make_console()
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--part", choices=["a", "b", "all"], default="all")
+    add_rounds_option(p, 3, "(a) ~30 s and (b) ~2 min per round here")
     p.add_argument("--concurrency", type=int, default=300)
     p.add_argument("--requests", type=int, default=600)
     p.add_argument("--max-tokens", type=int, default=32)
@@ -361,9 +398,9 @@ def main() -> None:
     args = p.parse_args()
     print(f"serving bench on {os.cpu_count()} cores (load average {os.getloadavg()[0]:.1f})")
     if args.part in ("a", "all"):
-        part_a(args.concurrency, args.requests, args.max_tokens)
+        part_a(args.concurrency, args.requests, args.max_tokens, args.rounds)
     if args.part in ("b", "all"):
-        part_b([int(x) for x in args.levels.split(",")], args.max_tokens)
+        part_b([int(x) for x in args.levels.split(",")], args.max_tokens, args.rounds)
     print(f"(mean load average during the run: {statistics.mean(os.getloadavg()):.1f})")
 
 
