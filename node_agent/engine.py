@@ -22,12 +22,12 @@ from pathlib import Path
 import torch
 
 from helix.errors import EngineError, RequestError
+from node_agent.backends import StageBackend, build_stage_model
 from node_agent.config import ModelConfig, load_config
 from node_agent.kv_cache import KVAccount, KVUsage, RequestKV
-from node_agent.model import Segment, StageModel
+from node_agent.model import Segment
 from node_agent.sampling import RequestSampler, SamplingParams, finish_reason
 from node_agent.scheduler import Batch, Scheduler, SchedulerConfig
-from node_agent.weights import load_stage_weights
 
 
 @dataclass(slots=True)
@@ -70,11 +70,12 @@ class StageEngine:
     """Layers ``[layer_start, layer_end)`` of one model, batched at iteration granularity."""
 
     def __init__(self, model_dir: str | Path, layer_start: int = 0, layer_end: int | None = None, *,
-                 kv_capacity_tokens: int = 65536, scheduler: SchedulerConfig | None = None) -> None:
+                 kv_capacity_tokens: int = 65536, scheduler: SchedulerConfig | None = None,
+                 backend: StageBackend | None = None) -> None:
         self.config: ModelConfig = load_config(model_dir)
         end = self.config.num_layers if layer_end is None else layer_end
-        self.model = StageModel(self.config, layer_start, end,
-                                load_stage_weights(model_dir, self.config, layer_start, end))
+        self.backend = backend or StageBackend()
+        self.model = build_stage_model(model_dir, self.config, layer_start, end, self.backend)
         self.layer_start, self.layer_end = layer_start, end
         self.scheduler = Scheduler(scheduler or SchedulerConfig(), KVAccount(kv_capacity_tokens))
         self._requests: dict[str, _Request] = {}
@@ -118,7 +119,7 @@ class StageEngine:
         if hidden.ndim != 2 or hidden.shape[1] != self.config.hidden_size:
             raise EngineError(f"hidden states for {request_id!r} have shape {tuple(hidden.shape)}, "
                               f"expected [n, {self.config.hidden_size}]")
-        hidden = hidden.to(torch.float32)
+        hidden = hidden.to(self.model.device, self.model.dtype)
         req.pending_hidden = hidden if req.pending_hidden is None else torch.cat([req.pending_hidden, hidden])
         self.scheduler.add_input(request_id, hidden.shape[0])
 
@@ -182,7 +183,8 @@ class StageEngine:
             req, n = self._requests[work.request_id], work.num_tokens
             if req.kv is None:
                 req.kv = RequestKV(req.layer_start, req.layer_end, cfg.num_kv_heads, cfg.head_dim,
-                                   self.scheduler.running[work.request_id].reserve_tokens)
+                                   self.scheduler.running[work.request_id].reserve_tokens,
+                                   dtype=self.model.dtype, device=self.model.device)
             if req.layer_start == 0:
                 ids, req.pending_ids = req.pending_ids[:n], req.pending_ids[n:]
                 rows.append(self.model.embed(torch.tensor(ids, dtype=torch.long)))
@@ -205,7 +207,7 @@ class StageEngine:
             out = RequestOutput(work.request_id, work.num_tokens)
             outputs.append(out)
             if req.layer_end < self.config.num_layers:
-                out.hidden = hidden[seg.rows].clone()
+                out.hidden = hidden[seg.rows].to("cpu", copy=True)
             elif work.ends_prompt_or_decodes:
                 sample_rows.append(seg.rows.stop - 1)
                 to_sample.append(out)

@@ -21,13 +21,13 @@ class RequestKV:
     __slots__ = ("layer_start", "capacity_tokens", "length", "k", "v")
 
     def __init__(self, layer_start: int, layer_end: int, num_kv_heads: int, head_dim: int,
-                 capacity_tokens: int, dtype: torch.dtype = torch.float32) -> None:
+                 capacity_tokens: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         shape = (layer_end - layer_start, num_kv_heads, capacity_tokens, head_dim)
         self.layer_start = layer_start
         self.capacity_tokens = capacity_tokens
         self.length = 0
-        self.k = torch.empty(shape, dtype=dtype)
-        self.v = torch.empty(shape, dtype=dtype)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
 
     def write(self, layer: int, first_position: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``k``/``v`` (``[kv_heads, n, d]``) at positions ``first_position..+n``; return all keys/values so far."""

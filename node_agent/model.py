@@ -105,8 +105,13 @@ class LayerWeights:
 class StageModel:
     """Weights + forward math of layers ``[start, end)``; holds no per-request state."""
 
-    def __init__(self, config: ModelConfig, start: int, end: int, tensors: dict[str, torch.Tensor]) -> None:
+    def __init__(self, config: ModelConfig, start: int, end: int, tensors: dict[str, torch.Tensor], *,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
         self.config, self.start, self.end = config, start, end
+        self.dtype, self.device = dtype, torch.device(device)
+        if (dtype, self.device.type) != (torch.float32, "cpu"):
+            tensors = {name: t.to(self.device, dtype) for name, t in tensors.items()}
+        self.attention = StepAttention(config.num_heads, config.head_dim)
         self.layers: dict[int, LayerWeights] = {}
         for i in range(start, end):
             t = {name: tensors[f"model.layers.{i}.{name}"] for name in LAYER_TENSORS}
@@ -133,12 +138,12 @@ class StageModel:
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         assert self.embed_tokens is not None, "embed() on a stage that does not hold layer 0"
-        return F.embedding(token_ids, self.embed_tokens)
+        return F.embedding(token_ids.to(self.device), self.embed_tokens)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm + LM head on ``hidden`` rows ``[n, hidden_size]`` -> ``[n, vocab]``."""
+        """Final norm + LM head on ``hidden`` rows ``[n, hidden_size]`` -> float32 CPU ``[n, vocab]``."""
         assert self.final_norm is not None and self.lm_head is not None, "logits() on a non-last stage"
-        return self.lm_head(rms_norm(hidden, self.final_norm, self.config.rms_norm_eps))
+        return self.lm_head(rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)).to("cpu", torch.float32)
 
     def forward(self, hidden: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
         """Run the stage's layers on the flattened ``hidden`` ``[T, hidden_size]``; writes KV."""
@@ -170,16 +175,33 @@ class StageModel:
         qkv = w.qkv(rms_norm(x, w.input_norm, cfg.rms_norm_eps))
         qk = apply_rope(qkv[:, :(h + n_kv) * d].view(-1, h + n_kv, d), cos, sin)  # q and k in one go
         v = qkv[:, (h + n_kv) * d:].view(-1, n_kv, d)
-        kernels, decodes = self._native_decodes(segments, x)
-        if decodes:
-            attn = self._attend_decodes(kernels, layer, segments, decodes, qk, v)
-        elif len(segments) == 1:
-            attn = self._attend(layer, segments[0], qk[:, :h], qk[:, h:], v)
-        else:
-            qs, ks, vs = qk[:, :h].split(sizes), qk[:, h:].split(sizes), v.split(sizes)
-            attn = torch.cat([self._attend(layer, s, q, k, v) for s, q, k, v in zip(segments, qs, ks, vs, strict=True)])
+        attn = self.attention(layer, segments, sizes, qk[:, :h], qk[:, h:], v)
         x = w.o_proj.add(attn, x)
         return w.down.add(silu_mul(w.gate_up(rms_norm(x, w.post_norm, cfg.rms_norm_eps))), x)
+
+
+class StepAttention:
+    """Attention of one layer over a step's segments, each request against its own KV cache.
+
+    One-token decodes go to the native kernel in one call (float32 CPU), everything else to
+    per-request SDPA. Shared by the torch stage and the vLLM backend (``node_agent.vllm_layers``).
+    """
+
+    __slots__ = ("num_heads", "head_dim")
+
+    def __init__(self, num_heads: int, head_dim: int) -> None:
+        self.num_heads, self.head_dim = num_heads, head_dim
+
+    def __call__(self, layer: int, segments: list[Segment], sizes: list[int], q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """``q`` ``[T, heads, d]``, ``k``/``v`` ``[T, kv_heads, d]`` (rotated) -> ``[T, heads * d]``; writes KV."""
+        kernels, decodes = self._native_decodes(segments, q)
+        if decodes:
+            return self._attend_decodes(kernels, layer, segments, decodes, q, k, v)
+        if len(segments) == 1:
+            return self._attend(layer, segments[0], q, k, v)
+        qs, ks, vs = q.split(sizes), k.split(sizes), v.split(sizes)
+        return torch.cat([self._attend(layer, s, *qkv) for s, *qkv in zip(segments, qs, ks, vs, strict=True)])
 
     def _native_decodes(self, segments: list[Segment], x: torch.Tensor) -> tuple[Any | None, list[int]]:
         """The native kernels and the indices of the one-token segments they take (none if unavailable)."""
@@ -189,32 +211,33 @@ class StageModel:
         return kernels, [i for i, s in enumerate(segments) if s.num_tokens == 1 and s.kv.k.dtype == torch.float32]
 
     def _attend_decodes(self, kernels: Any, layer: int, segments: list[Segment], decodes: list[int],
-                        qk: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Attention of the step: its one-token decodes in one native call, other segments per request.
 
         ``segments`` cover the step's rows in order, so when every segment is a decode its rows are
         ``0..T-1`` and ``q``/``k``/``v`` go to the kernel as views, without a gather.
         """
-        h, d = self.config.num_heads, self.config.head_dim
+        h, d = self.num_heads, self.head_dim
         dec = [segments[i] for i in decodes]
         for s in dec:
             s.kv.claim(s.first_position, 1)
         rows = None if len(dec) == len(segments) else torch.tensor([s.rows.start for s in dec])
-        q, k_new, v_new = (qk[:, :h], qk[:, h:], v) if rows is None else (qk[rows, :h], qk[rows, h:], v[rows])
-        attn = kernels.decode_attention(q, k_new, v_new, [s.kv.k for s in dec], [s.kv.v for s in dec],
+        q_new, k_new, v_new = (q, k, v) if rows is None else (q[rows], k[rows], v[rows])
+        attn = kernels.decode_attention(q_new, k_new, v_new, [s.kv.k for s in dec], [s.kv.v for s in dec],
                                         torch.tensor([s.first_position for s in dec]),
                                         torch.tensor([layer - s.kv.layer_start for s in dec]), d ** -0.5)
         if rows is None:
             return attn
-        out = torch.empty(qk.shape[0], h * d, dtype=qk.dtype)
+        out = torch.empty(q.shape[0], h * d, dtype=q.dtype)
         out.index_copy_(0, rows, attn)
         native_rows = set(decodes)
         for i, s in enumerate(segments):
             if i not in native_rows:
-                out[s.rows] = self._attend(layer, s, qk[s.rows, :h], qk[s.rows, h:], v[s.rows])
+                out[s.rows] = self._attend(layer, s, q[s.rows], k[s.rows], v[s.rows])
         return out
 
-    def _attend(self, layer: int, seg: Segment, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _attend(layer: int, seg: Segment, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Attention of one request's new tokens (``q`` ``[n, heads, d]``) against its cached + new keys.
 
         Grouped-query attention without ``enable_gqa`` (which sends SDPA to its slow math path):

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+from node_agent.backends import StageBackend
 from node_agent.engine import StageEngine
 from node_agent.pipeline import LocalPipeline
 from node_agent.sampling import SamplingParams
@@ -16,6 +17,8 @@ from node_agent.scheduler import SchedulerConfig
 ATOL = 2e-3  # float32, logits of magnitude ~10: summation order differs from transformers
 SPLITS = [[(0, 4)], [(0, 1), (1, 3), (3, 4)], [(0, 2), (2, 4)]]
 CHUNKED = SchedulerConfig(max_batch_size=4, token_budget=9, chunk_size=5)
+# every stage runs on our torch engine, or on vLLM's layers (those run in .venv-vllm: `-m vllm`)
+BACKENDS = ["torch", pytest.param("vllm", marks=pytest.mark.vllm)]
 
 
 def _prompts(vocab: int) -> list[list[int]]:
@@ -23,11 +26,18 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (1, 7, 13, 22)]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("split", SPLITS, ids=["1-stage", "3-stages", "2-stages"])
 def test_split_pipeline_logits_match_transformers(tiny_llama: tuple[Path, Any], split: list[tuple[int, int]],
-                                                 attention_path: str) -> None:
+                                                 attention_path: str, backend: str) -> None:
     model_dir, hf = tiny_llama
-    pipe = LocalPipeline([StageEngine(model_dir, a, b, scheduler=CHUNKED, kv_capacity_tokens=256) for a, b in split])
+    pipe = LocalPipeline([StageEngine(model_dir, a, b, scheduler=CHUNKED, kv_capacity_tokens=256,
+                                      backend=StageBackend(backend)) for a, b in split])  # fmt: skip
+    _check_logits(pipe, hf)
+
+
+def _check_logits(pipe: LocalPipeline, hf: Any, atol: float = ATOL) -> None:
+    """Four prompts through ``pipe`` at once: the logits of every generated token are transformers'."""
     prompts = _prompts(hf.config.vocab_size)
     for i, prompt in enumerate(prompts):
         pipe.add_request(str(i), prompt, SamplingParams(max_tokens=6, return_logits=True))
@@ -41,7 +51,7 @@ def test_split_pipeline_logits_match_transformers(tiny_llama: tuple[Path, Any], 
         with torch.no_grad():
             ref = hf(torch.tensor([prompt + generated])).logits[0]
         ours = torch.stack([o.logits for o in outs[str(i)]])
-        torch.testing.assert_close(ours, ref[len(prompt) - 1: len(prompt) + 5], atol=ATOL, rtol=1e-3)
+        torch.testing.assert_close(ours, ref[len(prompt) - 1: len(prompt) + 5], atol=atol, rtol=1e-3)
         assert generated == ref[len(prompt) - 1: len(prompt) + 5].argmax(-1).tolist()
 
 
@@ -51,13 +61,14 @@ def _hf_hidden(hf: Any, ids: list[int]) -> tuple[torch.Tensor, ...]:
     return tuple(h[0] for h in out.hidden_states) + (out.logits[0],)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("chunk", [None, 3])
 def test_partial_sub_ranges_inside_a_stage(tiny_llama: tuple[Path, Any], chunk: int | None,
-                                           attention_path: str) -> None:
+                                           attention_path: str, backend: str) -> None:
     """One stage [0, 4) serves requests running [1, 3), [0, 2), [2, 4) and [0, 4) in the same steps."""
     model_dir, hf = tiny_llama
     sched = SchedulerConfig(max_batch_size=4, token_budget=64, chunk_size=chunk)
-    engine = StageEngine(model_dir, 0, 4, scheduler=sched, kv_capacity_tokens=512)
+    engine = StageEngine(model_dir, 0, 4, scheduler=sched, kv_capacity_tokens=512, backend=StageBackend(backend))
     ids = _prompts(hf.config.vocab_size)[3]
     hidden = _hf_hidden(hf, ids)  # hidden[l] = input of layer l; hidden[4] is normed; hidden[5] = logits
     sampling = SamplingParams(max_tokens=1, return_logits=True)
@@ -80,13 +91,30 @@ def test_partial_sub_ranges_inside_a_stage(tiny_llama: tuple[Path, Any], chunk: 
         torch.testing.assert_close(got[name][-1].logits, hidden[5][-1], atol=ATOL, rtol=1e-3)
 
 
-def test_stage_loads_only_its_layers(tiny_llama: tuple[Path, Any]) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_stage_loads_only_its_layers(tiny_llama: tuple[Path, Any], backend: str) -> None:
     model_dir, _ = tiny_llama
-    middle = StageEngine(model_dir, 1, 3)
-    assert sorted(middle.model.layers) == [1, 2]
-    assert middle.model.embed_tokens is None and middle.model.lm_head is None
-    last = StageEngine(model_dir, 3, 4)
-    assert last.model.lm_head is not None and last.model.embed_tokens is None
+    middle: Any = StageEngine(model_dir, 1, 3, backend=StageBackend(backend)).model
+    assert sorted(middle.layers) == [1, 2]
+    assert middle.embed_tokens is None and middle.lm_head is None
+    last: Any = StageEngine(model_dir, 3, 4, backend=StageBackend(backend)).model
+    assert last.lm_head is not None and last.embed_tokens is None
+    if backend == "vllm":  # vLLM built only the stage's layers (PPMissingLayer elsewhere) and loaded only theirs
+        built = [type(layer).__name__ for layer in middle._model.model.layers]
+        assert built == ["PPMissingLayer", "LlamaDecoderLayer", "LlamaDecoderLayer", "PPMissingLayer"]
+        assert all(type(layer.self_attn.attn).__name__ == "HelixAttention" for layer in middle.layers.values())
+
+
+@pytest.mark.vllm
+def test_mixed_torch_and_vllm_stages_feed_each_other(tiny_llama: tuple[Path, Any]) -> None:
+    """torch [0, 1) -> vLLM [1, 3) -> torch [3, 4): one hidden stream on the seam, transformers' logits."""
+    model_dir, hf = tiny_llama
+    stages = [(0, 1, "torch"), (1, 3, "vllm"), (3, 4, "torch")]
+    _check_logits(LocalPipeline([StageEngine(model_dir, a, b, scheduler=CHUNKED, kv_capacity_tokens=256,
+                                             backend=StageBackend(name)) for a, b, name in stages]), hf)
+    vllm_first = [(0, 2, "vllm"), (2, 4, "torch")]
+    _check_logits(LocalPipeline([StageEngine(model_dir, a, b, scheduler=CHUNKED, kv_capacity_tokens=256,
+                                             backend=StageBackend(name)) for a, b, name in vllm_first]), hf)
 
 
 def test_seeded_sampling_does_not_depend_on_split_or_batch(tiny_llama: tuple[Path, Any]) -> None:
