@@ -28,8 +28,8 @@
 
 ``--rounds`` (default 5) repeats 1-5 back to back, each round with a fresh profile, so a
 profile is never judged against a real run made at another time of the box's day (its speed
-drifts by 10-30 % over an hour here); the verdict is on the median ratio, and how many rounds
-land within 15 % is printed beside it. Five rounds, because single rounds scatter by ±25 % on
+drifts by 10-30 % over an hour here); the rounds, medians, spreads and the verdict (on the
+median ratio, with how many rounds land within 15 %) are ``bench/harness.py``'s. Five rounds, because single rounds scatter by ±25 % on
 this box: medians of three ranged from 0.99 to 1.21 in one day (1.04, 1.06, 0.99 with the same
 code). Each round also times a fixed decode-like kernel on the idle box just before profiling and
 just before serving ("box drift": serve ÷ profile), to show how much of a round's error is the
@@ -75,9 +75,13 @@ from router.serving import ServeOptions, build_coordinator, create_server_app, m
 from simulator.engine import SimConfig, Simulation, simulate  # noqa: E402
 from simulator.workload import RequestSpec  # noqa: E402
 
+sys.path.insert(1, str(ROOT / "bench"))  # after the packages: bench/planner.py must not shadow planner/
+from harness import RoundLog, Target, add_rounds_option, make_console, report  # noqa: E402
+
 DEMO = ROOT / "clusters" / "demo"
 SENTENCE = "The quick brown fox jumps over the lazy dog while the cluster serves many requests. "
 TOLERANCE = 0.15
+VERDICT = "sim as served ÷ measured"
 COORDINATOR_ROW = "coordinator + load generator"
 
 
@@ -385,8 +389,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="chat completions sent at once per serve (32: a judged serve of ~13 s; 16 served ~7 s, "
                          "short enough for this box's speed swings to move a round by 25 %%)")
     ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--rounds", type=int, default=5,
-                    help="profile + serve rounds, back to back (the box's speed drifts: judge the median)")
+    add_rounds_option(ap, 5, "profile + serve rounds back to back; single rounds scatter by ±25 %% here")
     ap.add_argument("--method", default="helix")
     ap.add_argument("--placement", metavar="NODE=S:E,...", help="serve this placement instead of planning one")
     ap.add_argument("--force", action="store_true", help="re-measure in the first round even if the cache is warm")
@@ -394,29 +397,22 @@ def main(argv: list[str] | None = None) -> int:
                     help="the agents' gather window (helix agent --gather-window-ms), simulated as served")
     ap.add_argument("--workdir", help="scratch directory (default: a fresh temporary one)")
     args = ap.parse_args(argv)
-    if args.rounds < 1:
-        ap.error("--rounds must be at least 1")
-    console = Console(highlight=False)
+    console = make_console()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="helix-fidelity-"))
-    rounds: list[Round] = []
-    for i in range(args.rounds):
-        console.rule(f"round {i + 1} of {args.rounds}")
+    log = RoundLog()
+    for i in log.each_round(args.rounds, console.rule):
         # every round after the first profiles afresh: its profile and its real run are minutes apart, not more
-        rounds.append(one_round(args, workdir / f"round-{i + 1}", console, force=args.force or i > 0))
-    summary = Table(title=f"fidelity, {len(rounds)} rounds (each: profile, plan, serve {args.requests} requests, simulate)")
-    for col in ("round", "profiled s", "box drift", "step CPU / profile", "host CPU ms / step", "measured tok/s",
-                "sim as served", "sim / measured", "without host CPU / measured", "own devices / measured"):
-        summary.add_column(col, justify="right")
-    for i, r in enumerate(rounds, 1):
-        summary.add_row(str(i), f"{r.profile_s:.1f}", f"{r.drift:.2f}", f"{r.price_ratio:.2f}", f"{r.overhead_ms:.2f}",
-                        f"{r.measured:.1f}", f"{r.served:.1f}", f"{r.served / r.measured:.2f}",
-                        f"{r.served_bare / r.measured:.2f}", f"{r.naive / r.measured:.2f}")
-    console.print(summary)
-    ratio = statistics.median(r.served / r.measured for r in rounds)
-    within = sum(abs(r.served / r.measured - 1) <= TOLERANCE for r in rounds)
-    verdict = "[green]within[/]" if abs(ratio - 1) <= TOLERANCE else "[red]outside[/]"
-    console.print(f"median sim / measured {ratio:.2f}: {verdict} the {TOLERANCE:.0%} target "
-                  f"({within} of {len(rounds)} rounds within it; scratch dir {workdir})")
+        r = one_round(args, workdir / f"round-{i + 1}", console, force=args.force or i > 0)
+        for name, value, unit in (("profiled s", r.profile_s, "s"), ("box drift (serve ÷ profile)", r.drift, ""),
+                                  ("step CPU ÷ profile's price", r.price_ratio, ""),
+                                  ("host CPU ms per step", r.overhead_ms, "ms"), ("measured tok/s", r.measured, "tok/s"),
+                                  ("sim as served tok/s", r.served, "tok/s")):
+            log.record(i, name, value, unit)
+        log.record(i, VERDICT, r.served / r.measured, "")
+        log.record(i, "without host CPU ÷ measured", r.served_bare / r.measured, "")
+        log.record(i, "own devices ÷ measured", r.naive / r.measured, "")
+    report(console, log, f"fidelity, {args.rounds} round(s) (each: profile, plan, serve {args.requests} requests, "
+                         f"simulate; scratch dir {workdir})", {VERDICT: Target("within", 1.0, unit="", tolerance=TOLERANCE)})
     return 0
 
 
