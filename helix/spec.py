@@ -8,6 +8,7 @@ directed links (explicit links win). Validation errors name the file and the fie
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
@@ -46,6 +47,19 @@ class NodeSpec(_Strict):
     max_layers: int | None = Field(
         default=None, gt=0,
         description="layers: hold at most this many; may only lower the GPU profile's `max_layers` (higher is an error)",
+    )
+    backend: Literal["torch", "vllm"] = Field(
+        default="torch",
+        description="what runs the node's layers: `torch` (Helix's engine) or `vllm` (vLLM's layers; needs vLLM "
+        "installed on the node, see docs/gpu.md); `helix agent --backend` overrides it",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        default="float32", description="weights, activations and KV cache on the node; `helix agent --dtype` overrides it"
+    )
+    device: Literal["cpu", "cuda"] = Field(
+        default="cpu",
+        description="where the node computes (`cuda`: its GPU; the vLLM backend needs the device its vLLM build "
+        "runs on); `helix agent --device` overrides it",
     )
 
     @property

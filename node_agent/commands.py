@@ -21,6 +21,7 @@ from helix.errors import ConfigError, EngineError
 
 if TYPE_CHECKING:
     from helix.spec import ClusterSpec
+    from node_agent.backends import StageBackend
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,13 @@ def add_agent_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gather-window-ms", type=float,
                    help="an idle engine woken by an arrival waits this long for the rest of the burst "
                         "(default: AgentConfig's, 3 ms; 0: never)")
+    p.add_argument("--backend", choices=["torch", "vllm"],
+                   help="what runs the layers: torch (Helix's engine) or vllm (vLLM's layers; docs/gpu.md) "
+                        "(default: the node's `backend` in the cluster file, else torch)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="weights, activations and KV cache (default: the node's `dtype` in the cluster file, else float32)")
+    p.add_argument("--device", choices=["cpu", "cuda"],
+                   help="where to compute (default: the node's `device` in the cluster file, else cpu)")
     p.add_argument("--step-log", metavar="FILE",
                    help="write one JSON line per engine step (time, CPU, batch by layer) to FILE; {node} is replaced")
 
@@ -84,6 +92,10 @@ def run_agent(args: argparse.Namespace) -> int:
         raise ConfigError(f"the plan is for model {plan.model!r} but the cluster {args.cluster} serves "
                           f"{cluster.model!r}", source=args.plan, field="model")  # fmt: skip
     model_dir = args.model_dir or str(_default_model_dir())
+    from node_agent.backends import StageBackend, check_backend
+
+    backend = StageBackend(args.backend or node.backend, args.dtype or node.dtype, args.device or node.device)
+    check_backend(args.node, backend, model_dir)
     check_weights(cluster, model_dir, node=args.node, layers=(start, end), plan_source=args.plan)
     return serve_agent(node_id=args.node, layer_start=start, layer_end=end, model_dir=model_dir,
                        control_bind=control, data_bind=data, secret=secret.encode(),
@@ -91,7 +103,7 @@ def run_agent(args: argparse.Namespace) -> int:
                        token_budget=args.token_budget, chunk_size=args.chunk_size or None,
                        wire_dtype=args.wire_dtype, threads=args.threads, max_frame_bytes=args.max_frame_bytes,
                        step_log=args.step_log.replace("{node}", args.node) if args.step_log else None,
-                       gather_window_ms=args.gather_window_ms)  # fmt: skip
+                       gather_window_ms=args.gather_window_ms, backend=backend)  # fmt: skip
 
 
 def _default_model_dir() -> Path:
@@ -137,7 +149,7 @@ def serve_agent(*, node_id: str, layer_start: int, layer_end: int, model_dir: st
                 data_bind: str, secret: bytes, kv_capacity_tokens: int = 65536, max_batch_size: int = 32,
                 token_budget: int = 512, chunk_size: int | None = 256, wire_dtype: str = "float32",
                 threads: int = 1, max_frame_bytes: int = 64 << 20, step_log: str | None = None,
-                gather_window_ms: float | None = None) -> int:
+                gather_window_ms: float | None = None, backend: StageBackend | None = None) -> int:
     """Load the stage, bind, print READY, serve until SIGTERM/SIGINT."""
     import torch
 
@@ -150,14 +162,15 @@ def serve_agent(*, node_id: str, layer_start: int, layer_end: int, model_dir: st
     model_dir = model_dir or str(cached_model_dir())
     engine = StageEngine(model_dir, layer_start, layer_end, kv_capacity_tokens=kv_capacity_tokens,
                          scheduler=SchedulerConfig(max_batch_size=max_batch_size, token_budget=token_budget,
-                                                   chunk_size=chunk_size))  # fmt: skip
+                                                   chunk_size=chunk_size),
+                         backend=backend)  # fmt: skip
     gather = {} if gather_window_ms is None else {"gather_window_s": gather_window_ms / 1000}
     config = AgentConfig(node_id=node_id, control_bind=control_bind, data_bind=data_bind, secret=secret,
                          wire_dtype=wire_dtype, max_frame_bytes=max_frame_bytes, torch_threads=threads,
                          step_log=step_log, **gather)
     agent = NodeAgent(config, engine)
     agent.install_signals()
-    print(f"READY node={node_id} layers={layer_start}:{layer_end} control={agent.control_address} "
+    print(f"READY node={node_id} layers={layer_start}:{layer_end} backend={engine.backend.name} control={agent.control_address} "
           f"data={agent.data_address}", flush=True)  # fmt: skip
     agent.run()
     log.info("agent %s stopped (%d steps, %d tokens, %d rejected)", node_id, agent.stats.steps,

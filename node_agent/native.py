@@ -39,14 +39,15 @@ _unavailable_reason: str | None = None
 
 
 def library_name() -> str:
-    """``helix_native_<cpu>``: -march=native code is only valid on the CPU it was built for, and a
-    home directory (the build cache) can be shared by machines with different CPUs."""
+    """``helix_native_<cpu, environment>``: -march=native code is only valid on the CPU it was built
+    for, and a home directory (the build cache) can be shared by machines with different CPUs and by
+    several Python environments (``.venv`` and ``.venv-vllm``: each would rebuild the other's copy)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             cpu = "".join(sorted({line for line in f if line.startswith(("model name", "flags"))}))
     except OSError:
         cpu = platform.processor() or platform.machine()
-    return "helix_native_" + hashlib.sha256(cpu.encode()).hexdigest()[:10]
+    return "helix_native_" + hashlib.sha256((cpu + sys.prefix).encode()).hexdigest()[:10]
 
 
 def disabled() -> bool:

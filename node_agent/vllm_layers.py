@@ -30,6 +30,7 @@ from typing import Any
 # several agents share a host's cores: vLLM's CPU build must not pin each to all of them
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # an agent's stdout carries its READY line
 
 import torch  # noqa: E402
 import vllm  # noqa: E402

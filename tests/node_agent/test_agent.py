@@ -323,3 +323,78 @@ def test_dead_agent_is_noticed_and_used_again_when_back(tmp_path: Path, tiny_mod
         assert [r["by_start"] for r in records] == [{2: (3, 0, 0)}, {2: (0, 1, 4)}, {2: (0, 1, 5)}, {2: (0, 1, 6)}]
     finally:
         stop_agents(agents)
+
+
+# ---- the vLLM backend (these run in .venv-vllm: `make test` runs `pytest -m vllm` there) ----------------
+
+VLLM = ["--backend", "vllm"]
+VLLM_PIPELINE = [Stage("va", 0, 10), Stage("vb", 10, 20), Stage("vc", 20, 30)]
+MIXED_PIPELINE = [Stage("ta", 0, 10), Stage("vb", 10, 20), Stage("tc", 20, 30)]  # torch -> vLLM -> torch
+
+
+@pytest.fixture(scope="module")
+def vllm_agents(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Agent]]:
+    """va, vb, vc split SmolLM2 in three on vLLM's layers; ta and tc hold the ends on the torch engine."""
+    placement = {"va": (0, 10), "vb": (10, 20), "vc": (20, 30), "ta": (0, 10), "tc": (20, 30)}
+    agents = start_agents(tmp_path_factory.mktemp("vllm"), smollm2_dir, placement,
+                          extra={"va": VLLM, "vb": VLLM, "vc": VLLM}, timeout_s=240)  # fmt: skip
+    try:
+        yield agents
+    finally:
+        codes = stop_agents(agents)
+    assert codes == dict.fromkeys(placement, 0), "agents must exit cleanly on SIGTERM"
+
+
+@pytest.mark.vllm
+def test_three_vllm_agents_match_transformers_greedy(vllm_agents: dict[str, Agent], smollm2_prompts: list[list[int]],
+                                                     hf_greedy: list[list[int]]) -> None:
+    """Requests join mid-flight, prefills are chunked (16 tokens, 40 per step): transformers' greedy tokens."""
+    with AgentsIO({n: a.control for n, a in vllm_agents.items()}, secret=SECRET.encode()) as io:
+        assert io.wait_ready(timeout_s=20), io.agents()
+        got = run(io, [(p, VLLM_PIPELINE) for p in smollm2_prompts])
+    assert tokens_of(got) == hf_greedy
+    assert all(got[i][-1].finish_reason == "length" and got[i][-1].node_id == "vc" for i in got)
+
+
+@pytest.mark.vllm
+def test_mixed_torch_and_vllm_agents_match_transformers_greedy(vllm_agents: dict[str, Agent],
+                                                               smollm2_prompts: list[list[int]],
+                                                               hf_greedy: list[list[int]]) -> None:
+    """A torch agent feeds a vLLM agent which feeds a torch agent: one hidden stream on the wire."""
+    with AgentsIO({n: a.control for n, a in vllm_agents.items()}, secret=SECRET.encode()) as io:
+        assert io.wait_ready(timeout_s=20), io.agents()
+        got = run(io, [(p, MIXED_PIPELINE) for p in smollm2_prompts])
+    assert tokens_of(got) == hf_greedy
+    assert all(got[i][-1].node_id == "tc" for i in got)
+
+
+def _agent_error(tmp_path: Path, model_dir: Path, capsys: pytest.CaptureFixture[str], *flags: str) -> str:
+    from helix.cli import main
+
+    cluster, plan = write_cluster(tmp_path, {"gpu-7": (0, 30)})
+    code = main(["agent", "--cluster", str(cluster), "--plan", str(plan), "--node", "gpu-7",
+                 "--model-dir", str(model_dir), *flags])  # fmt: skip
+    err = capsys.readouterr().err.replace("\n", "")
+    assert code == 5, err
+    return err
+
+
+def test_missing_vllm_install_is_a_start_up_error_naming_node_and_backend(
+        tmp_path: Path, smollm2_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The main venv never has vLLM (it lives in .venv-vllm): asking for it is a clear start-up error."""
+    import importlib.util
+
+    assert importlib.util.find_spec("vllm") is None, "this test runs where vLLM is not installed (.venv)"
+    err = _agent_error(tmp_path, smollm2_dir, capsys, *VLLM)
+    assert "'gpu-7'" in err and "backend 'vllm'" in err and "not installed" in err and "helix-serve[vllm" in err
+
+
+@pytest.mark.vllm
+def test_unsupported_architecture_is_a_start_up_error_naming_node_and_backend(
+        tmp_path: Path, smollm2_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    qwen = tmp_path / "qwen"
+    qwen.mkdir()
+    raw = json.loads((smollm2_dir / "config.json").read_text())
+    (qwen / "config.json").write_text(json.dumps({**raw, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}))
+    err = _agent_error(tmp_path, qwen, capsys, *VLLM)
+    assert "'gpu-7'" in err and "backend 'vllm'" in err and "unsupported model_type 'qwen2'" in err
