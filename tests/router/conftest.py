@@ -99,6 +99,24 @@ def make_test_plan(path: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def serving_cluster(tmp_path_factory: pytest.TempPathFactory, demo_cluster: Path) -> Iterator[ServingCluster]:
+    yield from serve_cluster(tmp_path_factory, demo_cluster)
+
+
+@pytest.fixture(scope="session")
+def vllm_serving_cluster(tmp_path_factory: pytest.TempPathFactory, demo_cluster: Path) -> Iterator[ServingCluster]:
+    """The same cluster with every node on the vLLM backend (set in the cluster file)."""
+    import yaml
+
+    raw = yaml.safe_load(demo_cluster.read_text())
+    for node in raw["nodes"]:
+        node["backend"] = "vllm"
+    vllm_cluster = demo_cluster.with_name("cluster-vllm.yaml")
+    vllm_cluster.write_text(yaml.safe_dump(raw, sort_keys=False))
+    yield from serve_cluster(tmp_path_factory, vllm_cluster)
+
+
+def serve_cluster(tmp_path_factory: pytest.TempPathFactory, demo_cluster: Path) -> Iterator[ServingCluster]:
+    """Agents of the test placement for ``demo_cluster``'s nodes and a coordinator serving them."""
     from helix.plan import load_plan
     from helix.profile import load_profiles_for
     from helix.spec import load_cluster

@@ -99,3 +99,9 @@ def test_no_pipeline_left_then_recovery(serving_cluster) -> None:
     assert serving_cluster.health()["status"] == "ready"
     out = client.chat.completions.create(model=MODEL, messages=POEM, max_tokens=2, temperature=0)
     assert out.choices[0].message.content is not None
+
+
+@pytest.mark.vllm
+def test_kill_a_vllm_agent_mid_generation_same_greedy_output(vllm_serving_cluster) -> None:
+    """The same on vLLM-backed agents (every node's `backend: vllm` in the cluster file)."""
+    test_kill_mid_generation_same_greedy_output(vllm_serving_cluster)
