@@ -19,6 +19,7 @@ import asyncio
 import logging
 import os
 import secrets
+import shutil
 import signal
 import tempfile
 import threading
@@ -67,6 +68,8 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", default="helix", help="planner method (falls back to paper-milp if unavailable)")
     p.add_argument("--prompt", default=DEMO_PROMPT, help="the chat message the demo sends")
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens of the demo's chat request")
+    p.add_argument("--backend", choices=["torch", "vllm"],
+                   help="run every agent on this engine backend (default: each node's `backend` in the cluster file)")
     _add_common(p)
 
 
@@ -92,8 +95,15 @@ def _load(cluster_path: str) -> tuple[Any, Any]:
 
 def run_serve(args: argparse.Namespace) -> int:
     from planner.api import load_checked_plan
-    from router.serving import agent_addresses, build_coordinator, create_server_app, make_server
+    from router.serving import (
+        agent_addresses,
+        build_coordinator,
+        check_port_free,
+        create_server_app,
+        make_server,
+    )
 
+    check_port_free(args.host, args.port)
     cluster, profiles = _load(args.cluster)
     plan = load_checked_plan(args.plan, cluster, profiles)
     overrides = {}
@@ -138,9 +148,11 @@ def run_demo(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from router.launch import AgentProcesses
+    from router.serving import check_port_free
 
     console = Console(highlight=False)
     signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM unwinds like Ctrl-C: the finally cleans up
+    check_port_free("127.0.0.1", args.port)
     cluster, profiles = _load(args.cluster)
     with console.status("planning the demo cluster ..."):
         plan = _plan_demo(cluster, profiles, args.method)
@@ -149,17 +161,25 @@ def run_demo(args: argparse.Namespace) -> int:
     plan_path = workdir / "plan.json"
     plan.save(plan_path)
     secret = secrets.token_hex(16)
-    agents = AgentProcesses(Path(args.cluster).resolve(), plan_path, workdir, secret=secret, model_dir=args.model_dir)
-    console.print(f"[dim]agent logs in {workdir}[/]")
+    agents = AgentProcesses(Path(args.cluster).resolve(), plan_path, workdir, secret=secret, model_dir=args.model_dir,
+                            extra_args=("--backend", args.backend) if args.backend else ())  # fmt: skip
+    console.print(f"[dim]agent logs in {workdir} (kept only if the demo fails)[/]", soft_wrap=True)
+    failed = True
     try:
         agents.start(plan.placement)
         addresses = _wait_agents(console, agents, len(plan.placement))
         _serve_demo(console, args, cluster, plan, profiles, addresses, secret.encode())
+        failed = False
     except KeyboardInterrupt:
         console.print("\nstopping ...")
+        failed = False
     finally:
         agents.stop()
-        console.print(f"stopped {len(agents.agents)} agents (logs in {workdir})")
+        if failed:
+            console.print(f"stopped {len(agents.agents)} agents; their logs are kept in {workdir}", soft_wrap=True)
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+            console.print(f"stopped {len(agents.agents)} agents")
     return 0
 
 

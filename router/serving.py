@@ -104,6 +104,27 @@ def create_server_app(coordinator: Coordinator, agents: Mapping[str, str], *, se
     return create_app(coordinator, api_keys=api_keys, lifespan=lifespan)
 
 
+def check_port_free(host: str, port: int, *, flag: str = "--port") -> None:
+    """Refuse, in one line naming the flag, an HTTP port something already listens on — before any
+    agent or coordinator starts (uvicorn would find out only after, with a traceback)."""
+    import socket
+
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise ConfigError(f"cannot resolve host {host!r}: {exc.strerror}", field="--host") from None
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise ConfigError(f"{host}:{port} is not available ({exc.strerror}): stop what uses it or choose "
+                              f"another {flag}", field=flag) from None  # fmt: skip
+
+
 def make_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "warning") -> object:
     """A uvicorn server for ``app`` (``await server.serve()``; ``server.should_exit = True`` stops it)."""
     import uvicorn

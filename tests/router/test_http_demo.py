@@ -60,7 +60,25 @@ def test_demo_serve_then_sigterm_leaves_nothing(demo_cluster: Path) -> None:
         demo.send_signal(signal.SIGTERM)
         assert demo.wait(timeout=60) == 0
         assert not _pids_with(workdir)
+        assert not Path(workdir).exists()  # a clean exit leaves no helix-demo-* folder behind
     finally:
         if demo.poll() is None:
             demo.kill()
             demo.wait()
+
+
+def test_a_port_in_use_is_one_line_before_anything_starts(demo_cluster: Path) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for cmd in (["demo", "--cluster", str(demo_cluster)],
+                    ["serve", "--cluster", str(demo_cluster), "--plan", "unused.json"]):
+            done = subprocess.run([sys.executable, "-m", "helix.cli", *cmd, "--port", str(port)],
+                                  capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "300"})
+            assert done.returncode == 2, done.stderr
+            assert f"--port: 127.0.0.1:{port} is not available" in done.stderr
+            assert "Traceback" not in done.stderr + done.stdout and len(done.stderr.strip().splitlines()) == 1
+            assert "planning" not in done.stdout and "agent" not in done.stdout  # nothing was started
