@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 VLLM_VENV := .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.installed
-VLLM_TESTS := tests/node_agent tests/router
+VLLM_TESTS := tests/node_agent tests/router tests/profiler
 
 .PHONY: demo test lint bench setup setup-vllm clean
 

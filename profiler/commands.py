@@ -59,6 +59,8 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="measure again even if the cache has results")
     p.add_argument("--model-dir", metavar="DIR", help="engine model dir to measure (default: SmolLM2-135M)")
     p.add_argument("--no-links", action="store_true", help="do not measure links")
+    p.add_argument("--backend", choices=["torch", "vllm"], default="torch",
+                   help="measure through this engine backend (vllm: vLLM's layers, docs/gpu.md)")
     p.add_argument("--concurrent", action="store_true",
                    help="measure every co-located node at the same time (they share cores when serving)")
 
@@ -165,7 +167,7 @@ def _run_measure(args: argparse.Namespace) -> int:
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from profiler.cluster_profile import profile_cluster
-    from profiler.measure import default_reserve
+    from profiler.measure import MeasureSettings, default_reserve
 
     cluster = load_cluster(args.cluster)
     if args.model_dir is not None and not Path(args.model_dir).is_dir():
@@ -180,7 +182,8 @@ def _run_measure(args: argparse.Namespace) -> int:
 
         result = profile_cluster(cluster, model_dir=args.model_dir, force=args.force, output=args.output,
                                  measure_links=not args.no_links, notify=notify, concurrent=args.concurrent,
-                                 kv_reserve=kv_reserve_from(args, default_reserve()))  # fmt: skip
+                                 kv_reserve=kv_reserve_from(args, default_reserve()),
+                                 settings=MeasureSettings(backend=args.backend))  # fmt: skip
     measured = {g: result.profiles.gpus[g] for g in (*result.measured, *result.cache_hits)}
     print_profiles(console, ProfileSet(models=result.profiles.models, gpus=measured),
                    title=f"{cluster.name}: measured on this machine")  # fmt: skip

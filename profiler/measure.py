@@ -69,10 +69,12 @@ class MeasureSettings:
     context_batch: int = DEFAULT_CONTEXT_BATCH
     repeats: int = 9
     min_kv_tokens_per_layer: int = DEFAULT_MIN_KV_TOKENS_PER_LAYER
+    backend: str = "torch"  # what runs the layers: "torch" or "vllm" (node_agent.backends)
 
     def key(self) -> dict[str, Any]:
         return {
             "version": MEASURE_VERSION,
+            **({"backend": self.backend} if self.backend != "torch" else {}),  # torch: the keys cached before
             "probe_layers": self.probe_layers,
             "prefill_tokens": list(self.prefill_tokens),
             "decode_batches": list(self.decode_batches),
@@ -326,11 +328,13 @@ def measure_device(
     """
     import torch
 
+    from node_agent.backends import StageBackend
     from node_agent.config import load_config
     from node_agent.engine import StageEngine
     from node_agent.scheduler import SchedulerConfig
 
     s = settings or MeasureSettings()
+    backend = StageBackend(s.backend)
     torch.set_num_threads(1)
     note = progress or (lambda _msg: None)
     try:
@@ -352,9 +356,9 @@ def measure_device(
     kv_tokens = (max(s.decode_batches) * (s.context_tokens + runs) + s.context_batch * (s.context_tokens + runs)
                  + s.context_batch * (s.long_context_tokens + runs) + max(s.prefill_tokens) + runs + 1024)  # fmt: skip
     engines = {
-        "short": StageEngine(model_dir, 1, 1 + short, kv_capacity_tokens=kv_tokens, scheduler=sched),
-        "long": StageEngine(model_dir, 1, 1 + layers, kv_capacity_tokens=kv_tokens, scheduler=sched),
-        "last": StageEngine(model_dir, n - 1, n, kv_capacity_tokens=kv_tokens, scheduler=sched),
+        "short": StageEngine(model_dir, 1, 1 + short, kv_capacity_tokens=kv_tokens, scheduler=sched, backend=backend),
+        "long": StageEngine(model_dir, 1, 1 + layers, kv_capacity_tokens=kv_tokens, scheduler=sched, backend=backend),
+        "last": StageEngine(model_dir, n - 1, n, kv_capacity_tokens=kv_tokens, scheduler=sched, backend=backend),
     }
     note(f"stages: layers 1-{short}, layers 1-{layers}, last layer + LM head, measured in turns")
     if loaded is not None:

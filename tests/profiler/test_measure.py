@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -217,3 +218,18 @@ def test_concurrent_profile_measures_every_colocated_node_together(demo: Path) -
     assert sorted(result.per_node) == ["cpu-0", "cpu-1", "cpu-2"]
     tp = load_profile_file(result.profiles_path).throughput("cpu", "smollm2-135m")
     assert tp.decode_ms_per_layer and all(ms > 0 for b, ms in tp.decode_ms_per_layer if b > 0)
+
+
+@pytest.mark.vllm
+def test_profile_through_the_vllm_backend_is_measured_and_cached_apart(demo: Path, tmp_path: Path) -> None:
+    """`helix profile --backend vllm`: the curves come from vLLM's layers, cached under their own key."""
+    cluster = load_cluster(demo)
+    vllm = replace(QUICK, backend="vllm")
+    result = profile_cluster(cluster, settings=vllm, measure_links=False, cache_dir=tmp_path / "cache")
+    assert result.measured == ["cpu"] and not result.cache_hits
+    measured = yaml.safe_load(result.profiles_path.read_text())["gpus"]["cpu"]["throughput"][cluster.model]
+    assert all(ms > 0 for t, ms in measured["prefill_ms_per_layer"] + measured["decode_ms_per_layer"] if t > 0)
+    torch_run = profile_cluster(cluster, settings=QUICK, measure_links=False, cache_dir=tmp_path / "cache")
+    assert torch_run.measured == ["cpu"] and not torch_run.cache_hits  # another backend: not the vLLM cache entry
+    again = profile_cluster(cluster, settings=vllm, measure_links=False, cache_dir=tmp_path / "cache")
+    assert again.cache_hits == ["cpu"]
