@@ -45,12 +45,7 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
         f"(the paper's A100/L4/T4 limits), {DEFAULT_MIN_KV_TOKENS_PER_LAYER} tokens per layer when measuring "
         "(the agent's --kv-capacity-tokens).",
     )
-    kv.add_argument("--kv-requests", type=int, metavar="N",
-                    help=f"concurrent requests a node keeps KV for in every layer it holds (default {DEFAULT_KV_REQUESTS})")
-    kv.add_argument("--kv-context-tokens", type=int, metavar="T",
-                    help=f"context tokens (prompt + output) of each of those requests (default {DEFAULT_KV_CONTEXT_TOKENS})")
-    kv.add_argument("--kv-reserve-gb", type=float, metavar="GB",
-                    help="instead: keep GB (10^9 bytes) of every GPU for KV whatever it holds")
+    add_kv_reserve_arguments(kv)
     p.add_argument("-o", "--output", metavar="PROFILES",
                    help="profiles file to write; an existing one is merged into (its other entries kept). "
                         "--estimate: without -o the estimate is only printed. Measuring: default "
@@ -63,6 +58,16 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
                    help="measure through this engine backend (vllm: vLLM's layers, docs/gpu.md)")
     p.add_argument("--concurrent", action="store_true",
                    help="measure every co-located node at the same time (they share cores when serving)")
+
+
+def add_kv_reserve_arguments(group: argparse._ArgumentGroup) -> None:
+    """The KV-reserve options (``profile`` and ``init`` take the same; :func:`kv_reserve_from` reads them)."""
+    group.add_argument("--kv-requests", type=int, metavar="N",
+                       help=f"concurrent requests a node keeps KV for in every layer it holds (default {DEFAULT_KV_REQUESTS})")
+    group.add_argument("--kv-context-tokens", type=int, metavar="T",
+                       help=f"context tokens (prompt + output) of each of those requests (default {DEFAULT_KV_CONTEXT_TOKENS})")
+    group.add_argument("--kv-reserve-gb", type=float, metavar="GB",
+                       help="instead: keep GB (10^9 bytes) of every GPU for KV whatever it holds")
 
 
 def kv_reserve_from(args: argparse.Namespace, default: KvReserve) -> KvReserve:

@@ -26,7 +26,7 @@ from helix.errors import ConfigError, InfeasiblePlanError
 from helix.loading import validate
 from helix.profile import ProfileSet, check_profiles, load_profile_file
 from helix.spec import ClusterSpec
-from profiler.kv_reserve import DEFAULT_KV_CONTEXT_TOKENS, DEFAULT_KV_REQUESTS, KvReserve
+from profiler.kv_reserve import KvReserve
 
 DEFAULT_INTRA_REGION = {"bandwidth_gbps": 10, "latency_ms": 1}  # a datacenter network
 DEFAULT_INTER_REGION = {"bandwidth_gbps": 1, "latency_ms": 50}  # a WAN between regions
@@ -73,12 +73,9 @@ def add_init_arguments(p: argparse.ArgumentParser) -> None:
                         "estimates to CLUSTER-profiles.yaml beside the cluster")
     p.add_argument("--force", action="store_true", help="overwrite the files if they exist")
     kv = p.add_argument_group("KV reserve of the estimates (what decides max_layers; as helix profile --estimate)")
-    kv.add_argument("--kv-requests", type=int, metavar="N",
-                    help=f"concurrent requests a node keeps KV for in every layer it holds (default {DEFAULT_KV_REQUESTS})")
-    kv.add_argument("--kv-context-tokens", type=int, metavar="T",
-                    help=f"context tokens (prompt + output) of each of those requests (default {DEFAULT_KV_CONTEXT_TOKENS})")
-    kv.add_argument("--kv-reserve-gb", type=float, metavar="GB",
-                    help="instead: keep GB (10^9 bytes) of every GPU for KV whatever it holds")
+    from profiler.commands import add_kv_reserve_arguments
+
+    add_kv_reserve_arguments(kv)
 
 
 def _slug(text: str) -> str:
