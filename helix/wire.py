@@ -35,6 +35,8 @@ import msgpack
 from helix.errors import ProtocolError
 from helix.wire_decode import _check_tensor, decode
 from helix.wire_messages import (
+    BATCH_SEQUENCES_BUCKETS,
+    BATCH_TOKENS_BUCKETS,
     DEFAULT_MAX_FRAME_BYTES,
     DTYPE_BYTES,
     KINDS,
@@ -45,6 +47,8 @@ from helix.wire_messages import (
     MAX_TOKEN_ID,
     NONCE_BYTES,
     PROTOCOL_VERSION,
+    STEP_SECONDS_BUCKETS,
+    STEP_STATS_BOUNDS,
     Activations,
     Admit,
     AdmitInfo,
@@ -52,6 +56,7 @@ from helix.wire_messages import (
     Buffer,
     Cancel,
     Challenge,
+    Distribution,
     Error,
     Heartbeat,
     Hello,
@@ -60,6 +65,7 @@ from helix.wire_messages import (
     SamplingSpec,
     StageRef,
     Step,
+    StepStats,
     TokenOut,
     Tokens,
     Welcome,
@@ -70,11 +76,14 @@ __all__ = [  # the protocol: messages and limits (helix.wire_messages), codec, h
     "Admit",
     "AdmitInfo",
     "Auth",
+    "BATCH_SEQUENCES_BUCKETS",
+    "BATCH_TOKENS_BUCKETS",
     "Buffer",
     "Cancel",
     "Challenge",
     "DEFAULT_MAX_FRAME_BYTES",
     "DTYPE_BYTES",
+    "Distribution",
     "Error",
     "Heartbeat",
     "Hello",
@@ -88,9 +97,12 @@ __all__ = [  # the protocol: messages and limits (helix.wire_messages), codec, h
     "NONCE_BYTES",
     "PROTOCOL_VERSION",
     "Refused",
+    "STEP_SECONDS_BUCKETS",
+    "STEP_STATS_BOUNDS",
     "SamplingSpec",
     "StageRef",
     "Step",
+    "StepStats",
     "TokenOut",
     "Tokens",
     "Welcome",
@@ -149,6 +161,11 @@ def _header(msg: Message) -> dict[str, Any]:
                           "sampling": _sampling(a.sampling), "pipeline": [_stage(s) for s in a.pipeline],
                           "reply_to": a.reply_to}  # fmt: skip
         return h
+    if isinstance(msg, Heartbeat):
+        s = msg.steps
+        return {**{name: getattr(msg, name) for name in msg.__slots__ if name != "steps"},
+                "steps": {name: [list(d.counts), d.total] for name, d in
+                          (("seconds", s.seconds), ("sequences", s.sequences), ("tokens", s.tokens))}}
     if isinstance(msg, Tokens):
         return {"node_id": msg.node_id,
                 "tokens": [[t.request_id, t.step, t.token_id, t.finished, t.finish_reason] for t in msg.tokens]}

@@ -22,12 +22,14 @@ from helix.wire_messages import (
     MAX_TOKEN_ID,
     NONCE_BYTES,
     PROTOCOL_VERSION,
+    STEP_STATS_BOUNDS,
     Activations,
     Admit,
     AdmitInfo,
     Auth,
     Cancel,
     Challenge,
+    Distribution,
     Error,
     Heartbeat,
     Hello,
@@ -36,6 +38,7 @@ from helix.wire_messages import (
     SamplingSpec,
     StageRef,
     Step,
+    StepStats,
     TokenOut,
     Tokens,
     Welcome,
@@ -148,6 +151,29 @@ def _decode_sampling(f: _Fields, name: str, v: Any) -> SamplingSpec:
     return out
 
 
+def _decode_step_stats(f: _Fields, name: str, v: Any) -> StepStats:
+    """``{"seconds"|"sequences"|"tokens": [[count per bucket], sum]}``, each with one count per
+    bound of :data:`STEP_STATS_BOUNDS` plus one, and the same number of observations (one per step)."""
+    if not isinstance(v, dict):
+        raise f.fail(name, f"expected a map, got {_show(v)}")
+    s = _Fields(f"{f.kind}.{name}", v)
+    s.used.clear()
+    parts: dict[str, Distribution] = {}
+    for part, bounds in STEP_STATS_BOUNDS.items():
+        item = s.get(part)
+        if not isinstance(item, list) or len(item) != 2:
+            raise s.fail(part, f"expected [counts, sum], got {_show(item)}")
+        counts = _list(s, f"{part}.counts", item[0], max_len=len(bounds) + 1)
+        if len(counts) != len(bounds) + 1:
+            raise s.fail(f"{part}.counts", f"expected {len(bounds) + 1} bucket counts, got {len(counts)}")
+        parts[part] = Distribution(tuple(_int(c, 0, 2**62, s, f"{part}.counts[{i}]") for i, c in enumerate(counts)),
+                                   _float(s, f"{part}.sum", item[1], 0.0, 1e18))
+    s.done()
+    if len({d.observations for d in parts.values()}) != 1:
+        raise f.fail(name, "seconds, sequences and tokens must count the same number of steps")
+    return StepStats(**parts)
+
+
 def _decode_pipeline(f: _Fields, name: str, v: Any) -> tuple[StageRef, ...]:
     items = _list(f, name, v, max_len=4096)
     if not items:
@@ -224,8 +250,10 @@ def _decode_body(f: _Fields, payload: Sequence[memoryview]) -> Message:
     if k == "CANCEL":
         return Cancel(f.str_("request_id"), f.str_("reason", "cancelled"))
     if k == "HEARTBEAT":
+        steps = f.get("steps", None)
         return Heartbeat(f.str_("node_id"), f.int_("seq"), f.int_("kv_used_tokens"), f.int_("kv_reserved_tokens"),
-                         f.int_("kv_capacity_tokens"), f.int_("waiting"), f.int_("running"))  # fmt: skip
+                         f.int_("kv_capacity_tokens"), f.int_("waiting"), f.int_("running"),
+                         StepStats() if steps is None else _decode_step_stats(f, "steps", steps))  # fmt: skip
     if k == "REFUSED":
         return Refused(f.str_("request_id"), f.str_("node_id"), f.str_("code"), f.str_("reason", empty=True))
     if k == "ERROR":

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PROTOCOL_VERSION = 2  # 2: SamplingSpec carries penalties, logit_bias and prior_output_ids
+PROTOCOL_VERSION = 3  # 2: SamplingSpec carries penalties, logit_bias and prior_output_ids; 3: HEARTBEAT.steps
 DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
 NONCE_BYTES = 32
 DTYPE_BYTES: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -18,6 +18,12 @@ MAX_PENALTY = 2.0  # presence/frequency penalties lie in [-MAX_PENALTY, MAX_PENA
 MAX_LOGIT_BIAS = 100.0  # a logit bias lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS]
 
 Buffer = bytes | bytearray | memoryview
+
+# upper bounds of the buckets an agent counts its engine steps in (HEARTBEAT.steps); values above
+# the last bound fall in one more bucket
+STEP_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+BATCH_SEQUENCES_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+BATCH_TOKENS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 # -- messages --------------------------------------------------------------------------------
@@ -121,8 +127,43 @@ class Cancel:
 
 
 @dataclass(frozen=True, slots=True)
+class Distribution:
+    """Values observed since an agent started, counted in fixed buckets: ``counts[i]`` values in
+    ``(bounds[i-1], bounds[i]]`` and ``counts[-1]`` those above the last bound (so there is one
+    count more than bounds); ``total`` is their sum. Cumulative, so a lost heartbeat loses nothing."""
+
+    counts: tuple[int, ...]
+    total: float = 0.0
+
+    @property
+    def observations(self) -> int:
+        return sum(self.counts)
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    """An agent's engine steps that ran something, since it started: each step's wall time
+    (``seconds``, bounds :data:`STEP_SECONDS_BUCKETS`), the requests it batched (``sequences``,
+    :data:`BATCH_SEQUENCES_BUCKETS`) and their tokens (``tokens``, :data:`BATCH_TOKENS_BUCKETS`)."""
+
+    seconds: Distribution = Distribution((0,) * (len(STEP_SECONDS_BUCKETS) + 1))
+    sequences: Distribution = Distribution((0,) * (len(BATCH_SEQUENCES_BUCKETS) + 1))
+    tokens: Distribution = Distribution((0,) * (len(BATCH_TOKENS_BUCKETS) + 1))
+
+    @property
+    def steps(self) -> int:
+        return self.seconds.observations
+
+
+STEP_STATS_BOUNDS: dict[str, tuple[float, ...]] = {
+    "seconds": STEP_SECONDS_BUCKETS, "sequences": BATCH_SEQUENCES_BUCKETS, "tokens": BATCH_TOKENS_BUCKETS,
+}  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
 class Heartbeat:
-    """Agent -> coordinator, every ~250 ms: KV use (tokens) and queue lengths."""
+    """Agent -> coordinator, every ~250 ms: KV use (tokens), queue lengths (requests waiting for
+    admission to the agent's scheduler, requests running in it) and its engine steps so far."""
 
     node_id: str
     seq: int
@@ -131,6 +172,7 @@ class Heartbeat:
     kv_capacity_tokens: int
     waiting: int
     running: int
+    steps: StepStats = StepStats()
 
 
 @dataclass(frozen=True, slots=True)

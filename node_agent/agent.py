@@ -3,8 +3,8 @@
 Sockets (all bound to loopback unless told otherwise):
 
 * **control** (ROUTER): coordinators connect here, prove the shared secret (HELLO -> CHALLENGE
-  -> AUTH -> WELCOME), then send ADMIT / STEP / CANCEL; the agent sends HEARTBEATs (KV usage and
-  queue lengths, every ~250 ms) and ERRORs back on it.
+  -> AUTH -> WELCOME), then send ADMIT / STEP / CANCEL; the agent sends HEARTBEATs (KV usage,
+  queue lengths and its engine steps' times and batch sizes, every ~250 ms) and ERRORs back on it.
 * **data** (PULL): ACTIVATIONS from the previous stage of any request's pipeline.
 * outgoing PUSH sockets (one per peer): ACTIVATIONS to each request's next stage, TOKENS and
   REFUSED to the request's coordinator (``reply_to``).
@@ -35,6 +35,7 @@ import zmq
 from helix import wire
 from helix.errors import CapacityError, HelixError, ProtocolError
 from node_agent.step_log import StepLog
+from node_agent.step_meter import StepMeter
 from node_agent.transport import PushPool, configure, frame_tensor, sampling_params, tensor_frame
 
 log = logging.getLogger(__name__)
@@ -142,6 +143,7 @@ class NodeAgent:
         self._wake_w.setblocking(False)
         self._kv = engine.kv_usage()
         self._queues = (0, 0)
+        self._meter = StepMeter()  # engine thread records, the heartbeat reads its snapshot
         # opened here, so a path that cannot be written is a start-up error, not a dead engine thread
         self._step_log = StepLog(config.step_log) if config.step_log else None
         self.failed = False  # the engine thread died with an exception
@@ -419,9 +421,11 @@ class NodeAgent:
         self._out(reply_to, msg)
 
     def _step(self, step_log: StepLog | None = None) -> bool:
+        t0 = time.monotonic()
         result = self.engine.step() if step_log is None else step_log.run(self.engine.step)
         if not result.outputs:
             return False
+        self._meter.record(time.monotonic() - t0, len(result.outputs), result.num_tokens)
         self.stats.steps += 1
         tokens: dict[str, list[wire.TokenOut]] = {}
         for out in result.outputs:
@@ -459,7 +463,7 @@ class NodeAgent:
         usage, (waiting, running) = self._kv, self._queues  # snapshots from the engine thread
         self._hb_seq += 1
         hb = wire.Heartbeat(self.config.node_id, self._hb_seq, usage.used_tokens, usage.reserved_tokens,
-                            usage.capacity_tokens, waiting, running)
+                            usage.capacity_tokens, waiting, running, self._meter.stats)
         for identity in list(self._coordinators):
             self._send_control(identity, hb)
 

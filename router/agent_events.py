@@ -8,6 +8,8 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from helix.wire import StepStats
+
 
 @dataclass(frozen=True, slots=True)
 class TokenEvent:
@@ -33,7 +35,8 @@ TokenCallback = Callable[[TokenEvent], None]
 
 @dataclass(frozen=True, slots=True)
 class KVReport:
-    """The latest heartbeat of an agent: KV tokens and queue lengths, and how old it is."""
+    """The latest heartbeat of an agent: KV tokens, queue lengths (``waiting`` for admission to
+    its scheduler, ``running`` in it), its engine steps so far, and how old it is."""
 
     node_id: str
     used_tokens: int
@@ -42,6 +45,7 @@ class KVReport:
     waiting: int
     running: int
     age_s: float
+    steps: StepStats = StepStats()
 
 
 class AsyncTokenStream:

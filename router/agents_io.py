@@ -140,11 +140,11 @@ class AgentsIO:
                                   a.last_seen, auth_error=a.auth_error) for n, a in self._agents.items()}  # fmt: skip
 
     def kv_reports(self) -> dict[str, KVReport]:
-        """Latest KV usage per alive agent that has sent a heartbeat."""
+        """Latest KV usage, queue lengths and step statistics per alive agent that has sent a heartbeat."""
         now = time.monotonic()
         with self._lock:
             return {n: KVReport(n, hb.kv_used_tokens, hb.kv_reserved_tokens, hb.kv_capacity_tokens, hb.waiting,
-                                hb.running, now - a.heartbeat_at)
+                                hb.running, now - a.heartbeat_at, hb.steps)
                     for n, a in self._agents.items() if a.alive and (hb := a.heartbeat) is not None}  # fmt: skip
 
     def submit(self, request_id: str, prompt_ids: list[int], sampling: wire.SamplingSpec, pipeline: Any, *,

@@ -388,8 +388,7 @@ class Coordinator:
 
     def refresh_metrics(self) -> None:
         kv = self.router.kv
-        reports = {n: {"used": r.used_tokens, "reserved": r.reserved_tokens, "capacity": r.capacity_tokens}
-                   for n, r in (self.io.kv_reports() if self.io is not None else {}).items()}
         self.metrics.refresh(ready=self._ready, alive={n: n not in self.router.dead for n in self.nodes},
-                             kv_usage={n: kv.usage(n) for n in kv.nodes}, kv_reports=reports,
+                             kv_usage={n: kv.usage(n) for n in kv.nodes},
+                             reports=self.io.kv_reports() if self.io is not None else {},
                              waiting=len(self._waiting), running=len(self._by_wire))

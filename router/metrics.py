@@ -1,19 +1,32 @@
 """Prometheus metrics of the coordinator (one registry per coordinator, so tests can run several).
 
-Counters and histograms are updated as requests run; gauges that mirror state (per-node KV use,
-liveness, per-edge planned vs observed flow) are refreshed by :meth:`ServingMetrics.refresh`
-just before ``/metrics`` renders. Observed flow is the tokens that crossed each edge of the
-cluster graph (prompt tokens at prefill, one per decode step) over a sliding window.
+Counters and histograms are updated as requests run (every HTTP response by route and status
+code, 4xx included, is counted by the app's outermost middleware); gauges that mirror state
+(per-node KV use, queue lengths, liveness, per-edge planned vs observed flow) are refreshed by
+:meth:`ServingMetrics.refresh` just before ``/metrics`` renders. Observed flow is the tokens
+that crossed each edge of the cluster graph (prompt tokens at prefill, one per decode step)
+over a sliding window.
+
+Per-node engine steps (wall time, requests and tokens per step) are histograms the agents count
+themselves, in the buckets the wire fixes, and send cumulatively in their heartbeats
+(:class:`helix.wire.StepStats`); :class:`NodeStepCollector` exposes each node's latest counts
+(a restarted agent starts from zero, which Prometheus reads as a counter reset).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from helix.wire import STEP_STATS_BOUNDS, StepStats
+from router.agent_events import KVReport
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -44,6 +57,38 @@ class EdgeFlow:
         return {edge: total / self.window_s for edge, total in self._sums.items()}
 
 
+NODE_STEP_HISTOGRAMS = {  # StepStats field -> (metric name, help)
+    "seconds": ("helix_node_step_seconds", "Wall time of each engine step that ran something, per node"),
+    "sequences": ("helix_node_batch_sequences", "Requests batched in one engine step, per node"),
+    "tokens": ("helix_node_batch_tokens", "Tokens (prefill chunks and decodes) in one engine step, per node"),
+}
+
+
+class NodeStepCollector(Collector):
+    """The agents' step histograms (``helix_node_step_seconds``, ``helix_node_batch_sequences``,
+    ``helix_node_batch_tokens``), labelled by node, from the latest counts each agent reported."""
+
+    def __init__(self) -> None:
+        self.latest: dict[str, StepStats] = {}
+
+    def describe(self) -> Iterator[HistogramMetricFamily]:
+        for name, doc in NODE_STEP_HISTOGRAMS.values():
+            yield HistogramMetricFamily(name, doc, labels=["node"])
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        for field, (name, doc) in NODE_STEP_HISTOGRAMS.items():
+            family = HistogramMetricFamily(name, doc, labels=["node"])
+            bounds = STEP_STATS_BOUNDS[field]
+            for node, stats in sorted(self.latest.items()):
+                dist = getattr(stats, field)
+                cumulative, buckets = 0, []
+                for bound, count in zip((*bounds, float("inf")), dist.counts, strict=True):
+                    cumulative += count
+                    buckets.append((floatToGoString(bound), cumulative))
+                family.add_metric([node], buckets, dist.total)
+            yield family
+
+
 class ServingMetrics:
     """Every metric ``/metrics`` exposes."""
 
@@ -52,6 +97,9 @@ class ServingMetrics:
         r = self.registry
         self.requests = Counter("helix_requests", "HTTP generation requests by endpoint and outcome",
                                 ["endpoint", "status"], registry=r)
+        self.http_responses = Counter("helix_http_responses", "HTTP responses by route (the path of a known route, "
+                                      "else 'other') and status code", ["route", "code"], registry=r)
+        self._response_counters: dict[tuple[str, int], Any] = {}
         self.prompt_tokens = Counter("helix_prompt_tokens", "Prompt tokens admitted", registry=r)
         self.generated_tokens = Counter("helix_generated_tokens", "Tokens generated and returned", registry=r)
         self.ttft = Histogram("helix_time_to_first_token_seconds", "Time from arrival to first token",
@@ -70,6 +118,12 @@ class ServingMetrics:
         self.kv_usage = Gauge("helix_node_kv_usage_ratio", "Estimated KV use / capacity per node", ["node"], registry=r)
         self.kv_reported = Gauge("helix_node_kv_tokens", "KV tokens the agent reported, by kind (used, reserved, "
                                  "capacity)", ["node", "kind"], registry=r)
+        self.node_queue = Gauge("helix_node_queue_requests", "Requests waiting in the node agent's scheduler "
+                                "(not yet admitted to its batch)", ["node"], registry=r)
+        self.node_running = Gauge("helix_node_running_requests", "Requests admitted to the node agent's batch",
+                                  ["node"], registry=r)
+        self.node_steps = NodeStepCollector()
+        r.register(self.node_steps)
         self.flow_planned = Gauge("helix_edge_planned_flow_tok_s", "The plan's max-flow value on each edge",
                                   ["src", "dst"], registry=r)
         self.flow_observed = Gauge("helix_edge_observed_flow_tok_s", f"Tokens/s that crossed each edge over the "
@@ -90,8 +144,16 @@ class ServingMetrics:
                 counter = counters[edge] = self.edge_tokens.labels(*edge)
             counter.inc(tokens)
 
+    def response(self, route: str, code: int) -> None:
+        """Count one HTTP response (``route``: a bounded set of names, never a raw client path)."""
+        counter = self._response_counters.get((route, code))
+        if counter is None:
+            counter = self._response_counters[route, code] = self.http_responses.labels(route, str(code))
+        counter.inc()
+
     def refresh(self, *, ready: bool, alive: Mapping[str, bool], kv_usage: Mapping[str, float],
-                kv_reports: Mapping[str, Mapping[str, float]], waiting: int, running: int) -> None:
+                reports: Mapping[str, KVReport], waiting: int, running: int) -> None:
+        """Mirror the state into the gauges; ``reports``: each live agent's latest heartbeat."""
         self.ready.set(1.0 if ready else 0.0)
         self.waiting.set(waiting)
         self.running.set(running)
@@ -99,9 +161,13 @@ class ServingMetrics:
             self.node_alive.labels(node).set(1.0 if up else 0.0)
         for node, ratio in kv_usage.items():
             self.kv_usage.labels(node).set(ratio)
-        for node, report in kv_reports.items():
-            for kind, value in report.items():
+        for node, report in reports.items():
+            for kind, value in (("used", report.used_tokens), ("reserved", report.reserved_tokens),
+                                ("capacity", report.capacity_tokens)):
                 self.kv_reported.labels(node, kind).set(value)
+            self.node_queue.labels(node).set(report.waiting)
+            self.node_running.labels(node).set(report.running)
+            self.node_steps.latest[node] = report.steps
         for (src, dst), rate in self.flow.rates().items():
             self.flow_observed.labels(src, dst).set(rate)
 

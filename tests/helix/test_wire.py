@@ -17,6 +17,18 @@ SAMPLING = wire.SamplingSpec(temperature=0.7, top_k=40, top_p=0.9, seed=7, stop_
                              prior_output_ids=(9, 9, 4))
 HIDDEN = struct.pack("<6f", *range(6))
 
+
+def _dist(bounds: tuple[float, ...], values: list[float]) -> wire.Distribution:
+    counts = [0] * (len(bounds) + 1)
+    for v in values:
+        counts[next((i for i, b in enumerate(bounds) if v <= b), len(bounds))] += 1
+    return wire.Distribution(tuple(counts), float(sum(values)))
+
+
+STEPS = wire.StepStats(_dist(wire.STEP_SECONDS_BUCKETS, [0.0004, 0.012, 30.0]),
+                       _dist(wire.BATCH_SEQUENCES_BUCKETS, [1, 3, 600]),
+                       _dist(wire.BATCH_TOKENS_BUCKETS, [1, 257, 9000]))
+
 MESSAGES: list[wire.Message] = [
     wire.Hello("coordinator", wire.make_nonce()),
     wire.Challenge("a", wire.make_nonce(), b"p" * 32),
@@ -27,6 +39,7 @@ MESSAGES: list[wire.Message] = [
     wire.Step("r1", 3, 42),
     wire.Cancel("r1", "finished"),
     wire.Heartbeat("a", 9, 100, 300, 65536, 2, 5),
+    wire.Heartbeat("a", 10, 100, 300, 65536, 2, 5, STEPS),
     wire.Refused("r1", "b", "capacity", "needs 9000 KV tokens, holds 4096"),
     wire.Error("protocol", "bad header"),
     wire.Activations("r1", 0, 0, "float32", (2, 3), HIDDEN),
@@ -63,6 +76,26 @@ def test_tensor_travels_as_raw_bytes_not_msgpack_lists() -> None:
     assert len(frames) == 2 and bytes(frames[1]) == data
     assert len(frames[0]) < 100  # the header holds dtype + shape, not the values
     assert msgpack.unpackb(frames[0])["shape"] == [4, 576]
+
+
+def test_heartbeat_carries_step_counts_per_bucket() -> None:
+    header = msgpack.unpackb(wire.encode(wire.Heartbeat("a", 10, 1, 2, 3, 4, 5, STEPS))[0])
+    assert header["steps"]["seconds"] == [[1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 1], pytest.approx(30.0124)]
+    assert header["steps"]["sequences"][0][-1] == 1 and header["steps"]["tokens"][0][-1] == 1  # above the top bound
+    assert STEPS.steps == 3 and wire.Heartbeat("a", 1, 0, 0, 0, 0, 0).steps.steps == 0
+    no_steps = {k: v for k, v in header.items() if k != "steps"}  # an agent that sends none: no steps yet
+    assert wire.decode([msgpack.packb(no_steps)]).steps == wire.StepStats()  # type: ignore[union-attr]
+
+
+def _heartbeat_with(steps: object) -> list[bytes]:
+    return _frames({"k": "HEARTBEAT", "node_id": "a", "seq": 1, "kv_used_tokens": 0, "kv_reserved_tokens": 0,
+                    "kv_capacity_tokens": 1, "waiting": 0, "running": 0, "steps": steps})
+
+
+def _steps_header(**change: object) -> dict[str, object]:
+    steps: dict[str, object] = {n: [list(d.counts), d.total] for n, d in
+                                (("seconds", STEPS.seconds), ("sequences", STEPS.sequences), ("tokens", STEPS.tokens))}
+    return {**steps, **change}
 
 
 def test_handshake_proofs() -> None:
@@ -142,6 +175,17 @@ BAD: dict[str, tuple[list[bytes], str]] = {
                          "shape": [1, 1], "admit": {"hop": 5, "prompt_tokens": 1, "max_tokens": 1, "sampling": {},
                                                     "pipeline": [["a", 0, 30, "t"]]}}, b"\x00" * 4),
                 "ACTIVATIONS.admit.hop"),
+    "steps not a map": (_heartbeat_with([1, 2]), "HEARTBEAT.steps: expected a map"),
+    "steps missing a part": (_heartbeat_with({k: v for k, v in _steps_header().items() if k != "tokens"}),
+                             "HEARTBEAT.steps.tokens: missing"),
+    "steps unknown part": (_heartbeat_with(_steps_header(latency=[[0], 0.0])), "unknown field(s) latency"),
+    "steps wrong bucket count": (_heartbeat_with(_steps_header(seconds=[[1, 2], 0.5])),
+                                 "HEARTBEAT.steps.seconds.counts: expected 15 bucket counts, got 2"),
+    "steps negative count": (_heartbeat_with(_steps_header(sequences=[[-1] + [0] * 9 + [4], 600.0])),
+                             "HEARTBEAT.steps.sequences.counts[0]"),
+    "steps nan sum": (_heartbeat_with(_steps_header(tokens=[list(STEPS.tokens.counts), float("nan")])),
+                      "HEARTBEAT.steps.tokens.sum"),
+    "steps counts disagree": (_heartbeat_with(_steps_header(tokens=[[0] * 15, 0.0])), "same number of steps"),
     "bad token entry": (_frames({"k": "TOKENS", "node_id": "b", "tokens": [["r", 0, 1, "yes", ""]]}), "tokens[0]"),
 }
 
@@ -193,9 +237,11 @@ def test_fuzz_random_headers_only_ever_raise_protocol_error() -> None:
     rng = random.Random(99)
     values: list[object] = [None, True, -1, 0, 7, 2**63, 1.5, float("inf"), "", "x", b"\x00" * 32, [], [1], {}, {"a": 1},
                             [["a", 0, 30, "t"]], ["a", 0], {"logit_bias": [[1, 2.0]]}, {"presence_penalty": 3},
-                            {"prior_output_ids": [1, -1]}, {"logit_bias": [[1, "x"]]}]
+                            {"prior_output_ids": [1, -1]}, {"logit_bias": [[1, "x"]]}, _steps_header(),
+                            _steps_header(seconds=[[0] * 15, -1.0]), _steps_header(tokens=[[1] * 15, 1e30])]
     keys = ["request_id", "step", "token_id", "prompt", "max_tokens", "sampling", "pipeline", "dtype", "shape",
-            "position", "admit", "node_id", "tokens", "nonce", "proof", "sender", "seq", "reason", "code"]
+            "position", "admit", "node_id", "tokens", "nonce", "proof", "sender", "seq", "reason", "code", "steps",
+            "kv_used_tokens", "kv_reserved_tokens", "kv_capacity_tokens", "waiting", "running"]
     for _ in range(3000):
         header = {"v": wire.PROTOCOL_VERSION, "k": rng.choice(list(wire.KINDS.values()))}
         for key in rng.sample(keys, rng.randint(0, 8)):
