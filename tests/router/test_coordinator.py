@@ -156,6 +156,9 @@ def test_http_429_with_retry_after_when_the_queue_is_full() -> None:
                 io.emit(wire_id, 42, finished=True)
             done = await asyncio.wait_for(asyncio.gather(*held), 5)
             assert [r.status_code for r in done] == [200, 200, 200]
+        counted = {code: coord.metrics.registry.get_sample_value(
+            "helix_http_responses_total", {"route": "/v1/completions", "code": code}) for code in ("200", "429")}
+        assert counted == {"200": 3.0, "429": 1.0}  # the refusal is counted with its code
 
     asyncio.run(scenario())
 
