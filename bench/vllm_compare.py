@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     from rich.progress import Progress
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/harness.py, also under the vLLM venv's python
+sys.path.append(str(Path(__file__).resolve().parent))  # bench/harness.py; last, so bench/router.py never shadows router/
 from harness import RoundLog, Target, add_rounds_option, arm_order, figures_table, verdict_lines  # noqa: E402
 
 VLLM_PYTHON = os.environ.get("HELIX_VLLM_PYTHON", "/work/vllm-venv/bin/python")
