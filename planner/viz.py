@@ -1,15 +1,21 @@
 """Pictures of a plan: the flow graph, layer ranges, utilization, and method comparisons.
 
-Shared by ``notebooks/`` and available to ``helix show``. matplotlib is imported inside the
-functions (``import planner`` stays light); each ``draw_*`` function draws on a given axes,
-and :func:`plan_figure` puts the three plan views on one figure.
+Shared by ``notebooks/`` and ``helix show``. matplotlib is imported inside the functions
+(``import planner`` stays light); each ``draw_*`` function draws on a given axes, and
+:func:`plan_figure` puts the plan views on one figure sized to the cluster. Where things go
+is computed by :func:`planner.viz_layout.plan_layout` (pure, tested); this module only draws.
 
-* :func:`draw_flow_graph` — the cluster graph as networkx draws it: the coordinator on the
-  left (token ids out) and on the right (sampled tokens in), every node placed at the middle
-  of the layer range it holds, an arrow per edge carrying flow (width ~ tok/s, labelled), and
-  the min cut in red: bottleneck links as red arrows, bottleneck nodes with a red rim.
-* :func:`draw_layer_ranges` — each node's ``[start, end)`` as a bar over the model's layers.
-* :func:`draw_utilization` — flow through each node / its capacity for the layers it holds.
+* :func:`draw_flow_graph` — every region a grey box with its name; in it, every node at the
+  middle of the layer range it holds (the pipeline reads left to right), coloured by GPU type
+  (:func:`planner.viz_layout.gpu_color`: the same colour for a type in every picture); nodes
+  that hold no layers hollow; the coordinator at both ends (token ids out on the left,
+  sampled tokens in on the right). An arrow per edge carrying flow, its width ~ tok/s,
+  labelled with tok/s when there are at most :data:`MAX_EDGE_LABELS` such edges. The min
+  cut in red: bottleneck links as red arrows, bottleneck nodes with a red rim.
+* :func:`draw_layer_ranges` — each node's ``[start, end)`` as a bar over the model's layers,
+  one row per node, grouped by region (opacity = utilization).
+* :func:`draw_utilization` — flow through each node / its capacity, in the same rows.
+* :func:`draw_bars`, :func:`draw_grouped_bars` — method comparisons (notebooks).
 """
 
 from __future__ import annotations
@@ -24,14 +30,22 @@ from helix.plan import Plan, node_inflow
 from helix.profile import ProfileSet
 from helix.spec import ClusterSpec
 from planner.graph import SINK, SOURCE, CapacityModel, build_graph
+from planner.viz_layout import COORD_IN, COORD_OUT, INCHES_PER_UNIT, PlanLayout, gpu_color, plan_layout
 
-COORD_IN = "coordinator ▶"
-COORD_OUT = "▶ coordinator"
+__all__ = ["COORD_IN", "COORD_OUT", "MAX_EDGE_LABELS", "PlanView", "draw_bars", "draw_flow_graph",
+           "draw_grouped_bars", "draw_layer_ranges", "draw_utilization", "flow_digraph", "plan_figure",
+           "plan_view", "save_plan_png"]  # fmt: skip
+
+MAX_EDGE_LABELS = 16  # more flow-carrying edges than this: widths only, no numbers
+CUT_RED = "#d62728"
+FLOW_BLUE = "#4a7fb0"
+NODE_SIZE = 230  # points²
+ROW_INCHES = 0.18  # one node's row in the layer-range and utilization views
 
 
 @dataclass(slots=True)
 class PlanView:
-    """What the pictures need, computed once: flows through nodes, capacities, the min cut."""
+    """What the pictures need, computed once: flows through nodes, capacities, the min cut, the layout."""
 
     plan: Plan
     cap: CapacityModel
@@ -41,10 +55,18 @@ class PlanView:
     cut_nodes: set[str]
     cut_links: set[tuple[str, str]]  # (src, dst) with the coordinator as COORD_IN / COORD_OUT
     cut_nic: bool
+    layout: PlanLayout
 
     @property
     def utilization(self) -> dict[str, float]:
         return {n: (self.through.get(n, 0.0) / c if c > 0 else 0.0) for n, c in self.capacity.items()}
+
+    def rows(self) -> list[tuple[str, str]]:
+        """(region, node) in drawing order: by region, then start layer; nodes without layers last."""
+        order = {b.name: i for i, b in enumerate(self.layout.regions)}
+        far = self.cap.num_layers + 1
+        return sorted(((self.layout.region_of[n], n) for n in self.gpu),
+                      key=lambda rn: (order[rn[0]], self.plan.placement.get(rn[1], (far, far)), rn[1]))  # fmt: skip
 
 
 def plan_view(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet) -> PlanView:
@@ -72,14 +94,8 @@ def plan_view(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet) -> PlanVie
                     dst = v.rsplit("/", 1)[0] if "/" in v else COORD_OUT
                     cut_links.add((src, dst))
     gpu = {n.id: n.gpu for n in cluster.nodes}
-    return PlanView(plan, cap, gpu, through, capacity, cut_nodes, cut_links, cut_nic)
-
-
-def _gpu_colors(gpus: set[str]) -> dict[str, Any]:
-    import matplotlib
-
-    cmap = matplotlib.colormaps["tab10"]
-    return {g: cmap(i % 10) for i, g in enumerate(sorted(gpus))}
+    layout = plan_layout(cluster, plan, cap.num_layers)
+    return PlanView(plan, cap, gpu, through, capacity, cut_nodes, cut_links, cut_nic, layout)
 
 
 def flow_digraph(view: PlanView, coordinator: str) -> nx.DiGraph:
@@ -98,102 +114,206 @@ def flow_digraph(view: PlanView, coordinator: str) -> nx.DiGraph:
     return g
 
 
-def _positions(view: PlanView) -> dict[str, tuple[float, float]]:
-    """x: the middle of a node's layer range; y: its rank by start layer, cycling over a few rows."""
-    num_layers = view.cap.num_layers
-    stages = view.plan.stages()
-    rows = max(1, min(4, len(stages)))
-    pos: dict[str, tuple[float, float]] = {}
-    for rank, (node, s, e) in enumerate(stages):
-        pos[node] = ((s + e) / 2, -float(rank % rows))
-    mid = -(rows - 1) / 2
-    pos[COORD_IN] = (-0.12 * num_layers, mid)
-    pos[COORD_OUT] = (1.12 * num_layers, mid)
-    return pos
+def legend_handles(view: PlanView) -> list[Any]:
+    """The key: one entry per GPU type of the cluster, then the marks (hollow, coordinator, min cut)."""
+    from matplotlib.lines import Line2D
+
+    def dot(label: str, face: str, edge: str = "black", marker: str = "o", width: float = 0.8) -> Any:
+        return Line2D([], [], ls="", marker=marker, markersize=8, markerfacecolor=face, markeredgecolor=edge,
+                      markeredgewidth=width, label=label)  # fmt: skip
+
+    handles = [dot(g, c) for g, c in view.layout.gpu_colors.items()]
+    if view.layout.unused:
+        handles.append(dot("holds no layers", "white", "#777777", width=1.5))
+    handles.append(dot("coordinator", "#444444", marker="s"))
+    handles.append(dot("bottleneck node", "white", CUT_RED, width=2.5))
+    handles.append(Line2D([], [], color=CUT_RED, lw=2, label="bottleneck link"))
+    return handles
 
 
-def draw_flow_graph(ax: Any, view: PlanView, coordinator: str = "coordinator", *, labels: bool = True) -> None:
-    """The flow graph on ``ax`` (see the module docstring)."""
+def flow_graph_size(view: PlanView) -> tuple[float, float]:
+    """Inches the flow graph needs (its layout at :data:`INCHES_PER_UNIT`, plus the title)."""
+    x0, y0, x1, y1 = view.layout.extent
+    return (x1 - x0) * INCHES_PER_UNIT, (y1 - y0) * INCHES_PER_UNIT + 0.7
+
+
+def _draw_regions(ax: Any, layout: PlanLayout) -> None:
+    from matplotlib.patches import FancyBboxPatch
+
+    for box in layout.regions:
+        ax.add_patch(FancyBboxPatch((box.x0, box.y0), box.x1 - box.x0, box.y1 - box.y0,
+                                    boxstyle="round,pad=0,rounding_size=0.3", facecolor="#f2f2f2",
+                                    edgecolor="#9a9a9a", lw=0.8, zorder=0))  # fmt: skip
+        ax.text(box.x0 + 0.25, box.y1 - 0.15, box.name, ha="left", va="top", fontsize=8, fontweight="bold",
+                color="#555555", zorder=1)  # fmt: skip
+
+
+def draw_flow_graph(ax: Any, view: PlanView, coordinator: str = "coordinator", *, labels: bool = True,
+                    legend: bool = True, headline: bool = False) -> None:  # fmt: skip
+    """The flow graph on ``ax`` (see the module docstring); ``legend``: the key outside the axes, right;
+    ``headline``: the plan's cluster, model, method and max flow on the title's first line."""
+    lay = view.layout
     g = flow_digraph(view, coordinator)
-    pos = _positions(view)
-    colors = _gpu_colors(set(view.gpu[n] for n in view.plan.placement))
-    nodes = list(view.plan.placement)
-    coord_color = "#d62728" if view.cut_nic else "#444444"
+    for node in lay.unused:
+        g.add_node(node)
+    pos = lay.positions
+    _draw_regions(ax, lay)
+    coord_color = CUT_RED if view.cut_nic else "#444444"
     nx.draw_networkx_nodes(g, pos, nodelist=[COORD_IN, COORD_OUT], node_shape="s", node_color=coord_color,
-                           node_size=500, ax=ax)  # fmt: skip
+                           node_size=NODE_SIZE * 1.4, ax=ax)  # fmt: skip
+    used = list(view.plan.placement)
     nx.draw_networkx_nodes(
-        g, pos, nodelist=nodes, node_color=[colors[view.gpu[n]] for n in nodes], node_size=320, ax=ax,
-        edgecolors=["#d62728" if n in view.cut_nodes else "black" for n in nodes],
-        linewidths=[3.0 if n in view.cut_nodes else 0.8 for n in nodes],
+        g, pos, nodelist=used, node_color=[gpu_color(view.gpu[n]) for n in used], node_size=NODE_SIZE, ax=ax,
+        edgecolors=[CUT_RED if n in view.cut_nodes else "black" for n in used],
+        linewidths=[2.5 if n in view.cut_nodes else 0.8 for n in used],
     )  # fmt: skip
+    if lay.unused:
+        nx.draw_networkx_nodes(g, pos, nodelist=lay.unused, node_color="white", node_size=NODE_SIZE, ax=ax,
+                               edgecolors=[gpu_color(view.gpu[n]) for n in lay.unused], linewidths=1.5)  # fmt: skip
     edges = list(g.edges(data="tok_s"))
     top = max((f for _, _, f in edges), default=1.0) or 1.0
+    style = "arc3,rad=0.12"
     nx.draw_networkx_edges(
-        g, pos, edgelist=[(u, v) for u, v, _ in edges], ax=ax, arrows=True, arrowsize=8, node_size=320,
-        width=[0.4 + 3.6 * f / top for _, _, f in edges], alpha=0.8,
-        edge_color=["#d62728" if (u, v) in view.cut_links else "#1f77b4" for u, v, _ in edges],
-        connectionstyle="arc3,rad=0.08",
+        g, pos, edgelist=[(u, v) for u, v, _ in edges], ax=ax, arrows=True, arrowsize=8, node_size=NODE_SIZE,
+        width=[0.5 + 4.0 * f / top for _, _, f in edges], alpha=0.75,
+        edge_color=[CUT_RED if (u, v) in view.cut_links else FLOW_BLUE for u, v, _ in edges],
+        connectionstyle=style,
     )  # fmt: skip
-    font = 7 if len(nodes) <= 12 else 5
-    nx.draw_networkx_labels(g, {k: (x, y + 0.22) for k, (x, y) in pos.items()}, font_size=font, ax=ax)
-    if labels and edges:
-        nx.draw_networkx_edge_labels(g, pos, edge_labels={(u, v): f"{f:.0f}" for u, v, f in edges},
-                                     font_size=max(4, font - 2), ax=ax, rotate=False, alpha=0.8)  # fmt: skip
-    ax.set_title(f"flow graph: {view.plan.max_flow_tok_s:.1f} tok/s (edge labels tok/s; red = min cut)")
-    ax.set_xlabel("layer (node at the middle of its range)")
+    for name, (x, y) in pos.items():
+        ax.text(x, y + 0.24, name, ha="center", va="bottom", fontsize=6.5, zorder=5,
+                bbox={"boxstyle": "round,pad=0.1", "fc": "#f2f2f2", "ec": "none", "alpha": 0.8})  # fmt: skip
+    numbered = labels and 0 < len(edges) <= MAX_EDGE_LABELS
+    if numbered:
+        nx.draw_networkx_edge_labels(g, pos, edge_labels={(u, v): f"{f:.0f}" for u, v, f in edges}, ax=ax,
+                                     font_size=6, rotate=False, connectionstyle=style, node_size=NODE_SIZE,
+                                     bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.85})  # fmt: skip
+    how = "labels and widths: tok/s" if numbered else "width ~ tok/s"
+    plan = view.plan
+    title = f"flow graph: {len(edges)} edges carry flow ({how}; red = min cut)"
+    if headline:
+        title = f"{plan.cluster} · {plan.model} · {plan.method}: max flow {plan.max_flow_tok_s:.1f} tok/s\n{title}"
+    else:
+        title = f"max flow {plan.max_flow_tok_s:.1f} tok/s; {title}"
+    ax.set_title(title, fontsize=9)
+    x0, y0, x1, y1 = lay.extent
+    ax.update_datalim([(x0, y0), (x1, y1)])  # labels included; equal aspect widens what is short
+    ax.margins(0)
+    ax.autoscale_view()
+    ax.set_aspect("equal", adjustable="box")
+    step = _layer_step(lay.num_layers)
+    ticks = list(range(0, lay.num_layers + 1, step))
+    ax.set_xticks([lay.layer_x(t) for t in ticks], [str(t) for t in ticks], fontsize=7)
+    ax.set_xlabel("layer (a node sits at the middle of the range it holds)", fontsize=8)
     ax.tick_params(left=False, labelleft=False, bottom=True, labelbottom=True)
     ax.axis("on")
     for side in ("left", "right", "top"):
         ax.spines[side].set_visible(False)
+    ax.spines["bottom"].set_bounds(lay.layer_x(0), lay.layer_x(lay.num_layers))
+    if legend:
+        ax.legend(handles=legend_handles(view), loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0,
+                  fontsize=7, frameon=False)  # fmt: skip
 
 
-def draw_layer_ranges(ax: Any, view: PlanView) -> None:
-    """Each node's layer range as a bar over the model's layers (opacity = utilization)."""
-    import matplotlib.patches as mpatches
+def _layer_step(num_layers: int) -> int:
+    for step in (1, 2, 5, 10, 20, 50, 100):
+        if num_layers / step <= 10:
+            return step
+    return 200
 
-    stages = view.plan.stages()
-    colors = _gpu_colors(set(view.gpu[n] for n, _, _ in stages))
+
+def _mark_regions(ax: Any, view: PlanView, rows: list[tuple[str, str]], *, names: bool) -> None:
+    """Shade every other region's rows; with ``names``, the region's name right of the axes."""
+    start = 0
+    for i in range(1, len(rows) + 1):
+        if i < len(rows) and rows[i][0] == rows[start][0]:
+            continue
+        k = sum(1 for _ in {r for r, _ in rows[:start]})
+        if k % 2 == 1:
+            ax.axhspan(start - 0.5, i - 0.5, color="#efefef", zorder=0, lw=0)
+        if start > 0:
+            ax.axhline(start - 0.5, color="#9a9a9a", lw=0.6)
+        if names:
+            ax.annotate(rows[start][0], xy=(1.0, start - 0.4), xycoords=("axes fraction", "data"), xytext=(4, 0),
+                        textcoords="offset points", ha="left", va="top", fontsize=7, fontweight="bold",
+                        color="#555555", annotation_clip=False)  # fmt: skip
+        start = i
+
+
+def _row_labels(view: PlanView, rows: list[tuple[str, str]]) -> list[str]:
+    return [f"{n} ({view.gpu[n]})" for _, n in rows]
+
+
+def draw_layer_ranges(ax: Any, view: PlanView, *, legend: bool = True, region_names: bool = True) -> None:
+    """Each node's layer range as a bar (opacity = utilization), one row per node, grouped by region."""
+    rows = view.rows()
     util = view.utilization
-    for row, (node, s, e) in enumerate(stages):
-        edge = "#d62728" if node in view.cut_nodes else "black"
-        ax.barh(row, e - s, left=s, color=colors[view.gpu[node]], alpha=0.35 + 0.65 * min(1.0, util[node]),
-                edgecolor=edge, linewidth=2.0 if node in view.cut_nodes else 0.8)  # fmt: skip
-        ax.text(e + 0.2, row, f"[{s}, {e})", va="center", fontsize=6)
-    ax.set_yticks(range(len(stages)), [f"{n} ({view.gpu[n]})" for n, _, _ in stages], fontsize=6)
-    ax.invert_yaxis()
-    ax.set_xlim(0, view.cap.num_layers * 1.12)
-    ax.set_xlabel("layer")
-    ax.set_title("layer ranges (opacity = utilization, red rim = bottleneck)")
-    ax.legend(handles=[mpatches.Patch(color=c, label=g) for g, c in colors.items()], loc="lower right", fontsize=6)
+    num_layers = view.cap.num_layers
+    for row, (_, node) in enumerate(rows):
+        if node not in view.plan.placement:
+            ax.text(0.5, row, "holds no layers", va="center", fontsize=6, color="#777777", style="italic")
+            continue
+        s, e = view.plan.placement[node]
+        cut = node in view.cut_nodes
+        ax.barh(row, e - s, left=s, height=0.75, color=gpu_color(view.gpu[node]),
+                alpha=0.35 + 0.65 * min(1.0, util[node]), edgecolor=CUT_RED if cut else "black",
+                linewidth=2.0 if cut else 0.6)  # fmt: skip
+        ax.text(e + 0.01 * num_layers, row, f"[{s}, {e})", va="center", fontsize=6)
+    _mark_regions(ax, view, rows, names=region_names)
+    ax.set_yticks(range(len(rows)), _row_labels(view, rows), fontsize=6)
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    ax.set_xlim(0, num_layers * 1.14)
+    step = _layer_step(num_layers)
+    ax.set_xticks(range(0, num_layers + 1, step))
+    ax.tick_params(axis="x", labelsize=7)
+    ax.xaxis.grid(True, color="#dddddd", lw=0.5)
+    ax.set_axisbelow(True)
+    ax.set_xlabel("layer", fontsize=8)
+    ax.set_title("layer ranges (opacity = utilization, red rim = bottleneck)", fontsize=9)
+    if legend:
+        ax.legend(handles=legend_handles(view), loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0,
+                  fontsize=7, frameon=False)  # fmt: skip
 
 
-def draw_utilization(ax: Any, view: PlanView) -> None:
-    """Flow through each node over its capacity for the layers it holds."""
-    stages = view.plan.stages()
-    names = [n for n, _, _ in stages]
+def draw_utilization(ax: Any, view: PlanView, *, names: bool = True, region_names: bool = True) -> None:
+    """Flow through each node over its capacity, one row per node in :meth:`PlanView.rows` order."""
+    rows = view.rows()
     util = view.utilization
-    colors = ["#d62728" if n in view.cut_nodes else "#2ca02c" for n in names]
-    ax.bar(range(len(names)), [100 * util[n] for n in names], color=colors)
-    ax.set_xticks(range(len(names)), names, rotation=90, fontsize=6)
-    ax.set_ylim(0, 110)
-    ax.axhline(100, color="grey", lw=0.6, ls="--")
-    ax.set_ylabel("utilization %")
-    ax.set_title("node utilization (flow / capacity; red = in the min cut)")
+    for row, (_, node) in enumerate(rows):
+        if node not in view.plan.placement:
+            continue
+        pct = 100 * util[node]
+        cut = node in view.cut_nodes
+        ax.barh(row, pct, height=0.75, color=gpu_color(view.gpu[node]), edgecolor=CUT_RED if cut else "black",
+                linewidth=2.0 if cut else 0.6)  # fmt: skip
+        ax.text(pct + 2, row, f"{pct:.0f}%", va="center", fontsize=6)
+    _mark_regions(ax, view, rows, names=region_names)
+    ax.set_yticks(range(len(rows)), _row_labels(view, rows), fontsize=6)
+    ax.tick_params(axis="y", labelleft=names)
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    ax.set_xlim(0, 125)
+    ax.set_xticks([0, 50, 100])
+    ax.tick_params(axis="x", labelsize=7)
+    ax.axvline(100, color="grey", lw=0.6, ls="--")
+    ax.set_xlabel("utilization % (flow / capacity)", fontsize=8)
+    ax.set_title("utilization (red rim = min cut)", fontsize=9)
 
 
 def plan_figure(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet) -> Any:
-    """A figure with the flow graph, the layer ranges and the utilization of ``plan``."""
+    """A figure with the flow graph over the layer ranges and utilization of ``plan``, sized to the cluster."""
     import matplotlib.pyplot as plt
 
     view = plan_view(plan, cluster, profiles)
-    n = len(plan.placement)
-    fig = plt.figure(figsize=(13, 5 + 0.28 * n))
-    grid = fig.add_gridspec(2, 2, height_ratios=[3, 1.3], width_ratios=[1.6, 1])
-    draw_flow_graph(fig.add_subplot(grid[0, 0]), view, cluster.coordinator.id)
-    draw_layer_ranges(fig.add_subplot(grid[0, 1]), view)
-    draw_utilization(fig.add_subplot(grid[1, :]), view)
-    fig.suptitle(f"{plan.cluster} · {plan.model} · {plan.method}: max flow {plan.max_flow_tok_s:.1f} tok/s")
-    fig.tight_layout()
+    flow_w, flow_h = flow_graph_size(view)
+    rows_h = ROW_INCHES * len(view.rows()) + 1.0
+    width = max(10.0, flow_w + 0.5)
+    fig = plt.figure(figsize=(width, flow_h + rows_h + 1.3), layout="constrained")
+    grid = fig.add_gridspec(2, 2, height_ratios=[flow_h, rows_h], width_ratios=[3, 1])
+    draw_flow_graph(fig.add_subplot(grid[0, :]), view, cluster.coordinator.id, legend=False, headline=True)
+    ranges = fig.add_subplot(grid[1, 0])
+    draw_layer_ranges(ranges, view, legend=False, region_names=False)
+    draw_utilization(fig.add_subplot(grid[1, 1], sharey=ranges), view, names=False)
+    handles = legend_handles(view)
+    fig.legend(handles=handles, loc="outside upper center", ncols=min(len(handles), 9), fontsize=8, frameon=False)
     return fig
 
 
