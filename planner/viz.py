@@ -30,7 +30,17 @@ from helix.plan import Plan, node_inflow
 from helix.profile import ProfileSet
 from helix.spec import ClusterSpec
 from planner.graph import SINK, SOURCE, CapacityModel, build_graph
-from planner.viz_layout import COORD_IN, COORD_OUT, INCHES_PER_UNIT, PlanLayout, gpu_color, plan_layout
+from planner.viz_layout import (
+    COORD_IN,
+    COORD_OUT,
+    EDGE_RAD,
+    INCHES_PER_UNIT,
+    LABEL_LIFT,
+    PlanLayout,
+    edge_label_boxes,
+    gpu_color,
+    plan_layout,
+)
 
 __all__ = ["COORD_IN", "COORD_OUT", "MAX_EDGE_LABELS", "PlanView", "draw_bars", "draw_flow_graph",
            "draw_grouped_bars", "draw_layer_ranges", "draw_utilization", "flow_digraph", "plan_figure",
@@ -172,7 +182,7 @@ def draw_flow_graph(ax: Any, view: PlanView, coordinator: str = "coordinator", *
                                edgecolors=[gpu_color(view.gpu[n]) for n in lay.unused], linewidths=1.5)  # fmt: skip
     edges = list(g.edges(data="tok_s"))
     top = max((f for _, _, f in edges), default=1.0) or 1.0
-    style = "arc3,rad=0.12"
+    style = f"arc3,rad={EDGE_RAD}"
     nx.draw_networkx_edges(
         g, pos, edgelist=[(u, v) for u, v, _ in edges], ax=ax, arrows=True, arrowsize=8, node_size=NODE_SIZE,
         width=[0.5 + 4.0 * f / top for _, _, f in edges], alpha=0.75,
@@ -180,13 +190,16 @@ def draw_flow_graph(ax: Any, view: PlanView, coordinator: str = "coordinator", *
         connectionstyle=style,
     )  # fmt: skip
     for name, (x, y) in pos.items():
-        ax.text(x, y + 0.24, name, ha="center", va="bottom", fontsize=6.5, zorder=5,
+        ax.text(x, y + LABEL_LIFT, name, ha="center", va="bottom", fontsize=6.5, zorder=5,
                 bbox={"boxstyle": "round,pad=0.1", "fc": "#f2f2f2", "ec": "none", "alpha": 0.8})  # fmt: skip
     numbered = labels and 0 < len(edges) <= MAX_EDGE_LABELS
     if numbered:
-        nx.draw_networkx_edge_labels(g, pos, edge_labels={(u, v): f"{f:.0f}" for u, v, f in edges}, ax=ax,
-                                     font_size=6, rotate=False, connectionstyle=style, node_size=NODE_SIZE,
-                                     bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.85})  # fmt: skip
+        boxes = edge_label_boxes(lay, {(u, v): f"{f:.0f}" for u, v, f in edges})
+        for u, v, f in edges:
+            x0, y0, x1, y1 = boxes[(u, v)]
+            ax.text((x0 + x1) / 2, (y0 + y1) / 2, f"{f:.0f}", ha="center", va="center", fontsize=6.5, zorder=6,
+                    color=CUT_RED if (u, v) in view.cut_links else "black",
+                    bbox={"boxstyle": "round,pad=0.12", "fc": "white", "ec": "none", "alpha": 0.9})  # fmt: skip
     how = "labels and widths: tok/s" if numbered else "width ~ tok/s"
     plan = view.plan
     title = f"flow graph: {len(edges)} edges carry flow ({how}; red = min cut)"
@@ -212,6 +225,46 @@ def draw_flow_graph(ax: Any, view: PlanView, coordinator: str = "coordinator", *
     if legend:
         ax.legend(handles=legend_handles(view), loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0,
                   fontsize=7, frameon=False)  # fmt: skip
+
+
+def flow_table(view: PlanView, coordinator: str = "coordinator", *, top: int = 6) -> dict[str, list[tuple[str, float]]]:
+    """The short tables that stand in for edge labels: ``(what, tok/s)`` rows, the largest first.
+
+    ``between regions``: with more than one region, the flow between every two regions (the
+    coordinator counts as its own end: what enters and leaves the pipeline); ``busiest links``:
+    the ``top`` links carrying the most flow.
+    """
+    region_of = view.layout.region_of
+    ends = {COORD_IN: "coordinator", COORD_OUT: "coordinator"}
+    edges = list(flow_digraph(view, coordinator).edges(data="tok_s"))
+    between: dict[tuple[str, str], float] = {}
+    if len(view.layout.regions) > 1:
+        for u, v, f in edges:
+            key = (ends.get(u) or region_of[u], ends.get(v) or region_of[v])
+            if key[0] != key[1]:
+                between[key] = between.get(key, 0.0) + f
+    busiest = sorted(edges, key=lambda e: -e[2])[:top]
+    return {
+        "between regions": [(f"{a} → {b}", f) for (a, b), f in sorted(between.items(), key=lambda kv: -kv[1])],
+        "busiest links": [(f"{ends.get(u, u)} → {ends.get(v, v)}", f) for u, v, f in busiest],
+    }
+
+
+def draw_flow_table(ax: Any, view: PlanView, coordinator: str = "coordinator") -> None:
+    """:func:`flow_table` and the bottleneck as text on ``ax`` (no frame), beside a graph too busy for labels."""
+    tables = flow_table(view, coordinator)
+    width = max((len(what) for rows in tables.values() for what, _ in rows), default=10)
+    lines: list[str] = []
+    for title, rows in tables.items():
+        if rows:
+            lines += [f"{title} (tok/s)", *(f"{what:<{width}} {f:>7.0f}" for what, f in rows), ""]
+    if view.plan.bottleneck:
+        shown = view.plan.bottleneck[:8]
+        more = len(view.plan.bottleneck) - len(shown)
+        lines += ["bottleneck (min cut)", *shown, *([f"… and {more} more"] if more else [])]
+    ax.text(0.0, 1.0, "\n".join(lines).rstrip(), transform=ax.transAxes, ha="left", va="top", fontsize=7,
+            family="monospace", linespacing=1.35)  # fmt: skip
+    ax.axis("off")
 
 
 def _layer_step(num_layers: int) -> int:
@@ -299,16 +352,25 @@ def draw_utilization(ax: Any, view: PlanView, *, names: bool = True, region_name
 
 
 def plan_figure(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet) -> Any:
-    """A figure with the flow graph over the layer ranges and utilization of ``plan``, sized to the cluster."""
+    """A figure with the flow graph (and, when too busy for edge labels, :func:`draw_flow_table`
+    beside it) over the layer ranges and utilization of ``plan``, sized to the cluster."""
     import matplotlib.pyplot as plt
 
     view = plan_view(plan, cluster, profiles)
+    coordinator = cluster.coordinator.id
     flow_w, flow_h = flow_graph_size(view)
+    tabled = flow_digraph(view, coordinator).number_of_edges() > MAX_EDGE_LABELS
+    table_w = 3.6 if tabled else 0.0
     rows_h = ROW_INCHES * len(view.rows()) + 1.0
-    width = max(10.0, flow_w + 0.5)
+    width = max(10.0, flow_w + table_w + 0.5)
     fig = plt.figure(figsize=(width, flow_h + rows_h + 1.3), layout="constrained")
     grid = fig.add_gridspec(2, 2, height_ratios=[flow_h, rows_h], width_ratios=[3, 1])
-    draw_flow_graph(fig.add_subplot(grid[0, :]), view, cluster.coordinator.id, legend=False, headline=True)
+    if tabled:
+        sub = grid[0, :].subgridspec(1, 2, width_ratios=[flow_w, table_w])
+        draw_flow_graph(fig.add_subplot(sub[0, 0]), view, coordinator, legend=False, headline=True)
+        draw_flow_table(fig.add_subplot(sub[0, 1]), view, coordinator)
+    else:
+        draw_flow_graph(fig.add_subplot(grid[0, :]), view, coordinator, legend=False, headline=True)
     ranges = fig.add_subplot(grid[1, 0])
     draw_layer_ranges(ranges, view, legend=False, region_names=False)
     draw_utilization(fig.add_subplot(grid[1, 1], sharey=ranges), view, names=False)

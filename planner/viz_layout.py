@@ -45,7 +45,12 @@ PAD = 0.6  # box margin around its nodes
 BAND_GAP = 0.5  # between two boxes
 COORD_GAP = 1.8  # from a box's side to the coordinator
 MIN_ROWS = 3  # a band with a few nodes still spreads them over this many rows
-CHAR_WIDTH = 0.085  # a label character at the drawing's node font (units)
+CHAR_WIDTH = 0.11  # a label character at the drawing's 6.5 pt font, digits and all (units)
+NODE_RADIUS = 0.18  # a node's circle (units)
+LABEL_LIFT = 0.24  # a node's name sits this far above its centre (units)
+LABEL_HEIGHT = 0.22  # a line of label text with its padding (units)
+EDGE_RAD = 0.12  # every arrow bends like matplotlib's ``arc3,rad=EDGE_RAD``
+EDGE_LABEL_T = (0.5, 0.38, 0.62, 0.28, 0.72, 0.2, 0.8)  # where on an arrow its label may go, in order
 
 GPU_COLORS: dict[str, str] = {  # keys as :func:`gpu_key` writes them
     "A100": "#1f77b4",  # blue (the paper's A100 is the 40 GB one)
@@ -197,3 +202,45 @@ def plan_layout(cluster: ClusterSpec, plan: Plan, num_layers: int | None = None)
     positions[COORD_OUT] = (width + PAD + COORD_GAP, y_mid)
     colors = {g: gpu_color(g) for g in sorted({n.gpu for n in cluster.nodes})}
     return PlanLayout(positions, region_of, regions, unused, colors, num_layers, width)
+
+
+Box = tuple[float, float, float, float]  # (x0, y0, x1, y1), units
+
+
+def _meets(a: Box, b: Box) -> bool:
+    return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
+
+
+def node_boxes(layout: PlanLayout) -> dict[str, list[Box]]:
+    """What a node covers on paper: its circle's square and its name above it."""
+    out: dict[str, list[Box]] = {}
+    for name, (x, y) in layout.positions.items():
+        half = CHAR_WIDTH * len(name) / 2 + 0.03
+        out[name] = [(x - NODE_RADIUS, y - NODE_RADIUS, x + NODE_RADIUS, y + NODE_RADIUS),
+                     (x - half, y + LABEL_LIFT, x + half, y + LABEL_LIFT + LABEL_HEIGHT)]  # fmt: skip
+    return out
+
+
+def arrow_point(a: tuple[float, float], b: tuple[float, float], t: float) -> tuple[float, float]:
+    """The point at ``t`` along the arrow from ``a`` to ``b`` (the quadratic Bézier of ``arc3``)."""
+    (x1, y1), (x2, y2) = a, b
+    cx, cy = (x1 + x2) / 2 + EDGE_RAD * (y2 - y1), (y1 + y2) / 2 - EDGE_RAD * (x2 - x1)
+    u = 1 - t
+    return u * u * x1 + 2 * u * t * cx + t * t * x2, u * u * y1 + 2 * u * t * cy + t * t * y2
+
+
+def edge_label_boxes(layout: PlanLayout, labels: dict[tuple[str, str], str]) -> dict[tuple[str, str], Box]:
+    """Where each edge's label goes: the first point of :data:`EDGE_LABEL_T` along its arrow whose
+    box meets no node, no node's name and no label placed before it (else the arrow's middle)."""
+    taken = [box for boxes in node_boxes(layout).values() for box in boxes]
+    out: dict[tuple[str, str], Box] = {}
+    for (u, v), text in labels.items():
+        half_w, half_h = CHAR_WIDTH * len(text) / 2 + 0.03, LABEL_HEIGHT / 2
+        candidates = []
+        for t in EDGE_LABEL_T:
+            x, y = arrow_point(layout.positions[u], layout.positions[v], t)
+            candidates.append((x - half_w, y - half_h, x + half_w, y + half_h))
+        box = next((c for c in candidates if not any(_meets(c, o) for o in taken)), candidates[0])
+        out[(u, v)] = box
+        taken.append(box)
+    return out

@@ -238,3 +238,21 @@ def test_helix_show_writes_a_png_for_50_nodes(tmp_path: Path, capsys) -> None:  
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
     assert height > width > 800  # sized to the cluster: one row per node below the graph
+
+
+def test_edge_labels_miss_nodes_names_and_each_other() -> None:
+    """Where edges get numbers (few edges), no number covers a node, a node's name or another number."""
+    from planner.viz_layout import _meets, edge_label_boxes, node_boxes
+
+    cluster = ClusterSpec.model_validate(synthetic_cluster(8, ["us-east", "eu-west"], seed=4))
+    ids = [n.id for n in cluster.nodes]
+    chain = {node: (10 * i, 10 * i + 10) for i, node in enumerate(ids)}
+    plan = Plan(cluster=cluster.name, model=cluster.model, method="given", placement=chain, max_flow_tok_s=0.0)
+    layout = plan_layout(cluster, plan, 80)
+    hops = [(COORD_IN, ids[0]), *zip(ids, ids[1:], strict=False), (ids[-1], COORD_OUT), (COORD_IN, ids[3])]
+    boxes = edge_label_boxes(layout, {hop: "1234" for hop in hops})
+    covered = [box for group in node_boxes(layout).values() for box in group]
+    for hop, box in boxes.items():
+        assert not any(_meets(box, other) for other in covered), f"the label of {hop} covers a node or a name"
+    for (a, box_a), (b, box_b) in itertools.combinations(boxes.items(), 2):
+        assert not _meets(box_a, box_b), f"the labels of {a} and {b} overlap"
