@@ -12,6 +12,8 @@ ignored) all submitted at t=0 (offline throughput).
 Figures: tokens/s (prompt + generated) and generated tokens/s, and the ratio agents / one process,
 in rounds (``bench/harness.py``): the agents start once, then each round runs both arms on a fresh
 request sample, in ABBA order; the verdict is on the median of the per-round ratios.
+Both arms run the layers on one stage backend (``node_agent/backends.py``): ``torch`` here; the
+``backend`` arguments let ``bench/vllm_backend.py`` run the same comparison on ``vllm``.
 Run: ``.venv/bin/python bench/agents.py [--rounds 3] [--quick]`` (about 1.5 min per round on 2 shared
 cores); :func:`section` has the signature of ``bench/engine.py``'s ``SECTIONS`` entries.
 """
@@ -49,6 +51,7 @@ from harness import (  # noqa: E402
 from rich.progress import Progress  # noqa: E402
 
 from helix import wire  # noqa: E402
+from node_agent.backends import StageBackend  # noqa: E402
 from node_agent.engine import StageEngine  # noqa: E402
 from node_agent.gguf_convert import cached_model_dir  # noqa: E402
 from node_agent.sampling import SamplingParams  # noqa: E402
@@ -73,17 +76,20 @@ def workload(n: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(49152) for _ in range(rng.randint(32, 256))] for _ in range(n)]
 
 
-def one_process(model_dir: Path, prompts: list[list[int]]) -> float:
-    engine = StageEngine(model_dir, kv_capacity_tokens=65536, scheduler=SchedulerConfig(**SCHED))  # type: ignore[arg-type]
-    t0 = time.perf_counter()
+def one_process(model_dir: Path, prompts: list[list[int]], backend: str = "torch") -> tuple[float, float]:
+    """Wall and CPU seconds of one ``StageEngine`` serving ``prompts`` (its construction not counted)."""
+    engine = StageEngine(model_dir, kv_capacity_tokens=65536, scheduler=SchedulerConfig(**SCHED),  # type: ignore[arg-type]
+                         backend=StageBackend(backend))  # fmt: skip
+    t0, cpu0 = time.perf_counter(), time.process_time()
     for i, p in enumerate(prompts):
         engine.add_request(str(i), SamplingParams(max_tokens=OUTPUT_TOKENS), prompt_token_ids=p)
     while engine.has_unfinished:
         engine.step()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - cpu0
 
 
-def start_agents(model_dir: Path, root: Path) -> tuple[dict[str, subprocess.Popen[str]], dict[str, str]]:
+def start_agents(model_dir: Path, root: Path,
+                 backend: str = "torch") -> tuple[dict[str, subprocess.Popen[str]], dict[str, str]]:  # fmt: skip
     cluster, plan = root / "cluster.yaml", root / "plan.json"
     cluster.write_text("name: bench\nmodel: smollm2\nprofiles: p.yaml\nnodes:\n"
                        + "".join(f"  - {{id: {n}, gpu: CPU}}\n" for n in SPLIT)
@@ -96,8 +102,9 @@ def start_agents(model_dir: Path, root: Path) -> tuple[dict[str, subprocess.Pope
         procs[node] = subprocess.Popen(
             [sys.executable, "-m", "node_agent", "--cluster", str(cluster), "--plan", str(plan), "--node", node,
              "--model-dir", str(model_dir), "--threads", "1", "--max-batch-size", str(SCHED["max_batch_size"]),
-             "--token-budget", str(SCHED["token_budget"]), "--chunk-size", str(SCHED["chunk_size"])],
-            stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+             "--token-budget", str(SCHED["token_budget"]), "--chunk-size", str(SCHED["chunk_size"]),
+             "--backend", backend],
+            stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)  # fmt: skip
     for node, proc in procs.items():
         assert proc.stdout is not None
         match = re.search(r"control=(\S+)", proc.stdout.readline())
@@ -121,21 +128,24 @@ def three_agents(io: AgentsIO, events: queue.Queue[TokenEvent], prompts: list[li
     return time.perf_counter() - t0
 
 
-def section(model_dir: Path, quick: bool, rounds: int | None = None, progress: Progress | None = None) -> list[Any]:
-    """The comparison as a table and its verdict (fits ``bench/engine.py``'s ``SECTIONS`` signature)."""
+def section(model_dir: Path, quick: bool, rounds: int | None = None, progress: Progress | None = None,
+            backend: str = "torch") -> list[Any]:  # fmt: skip
+    """The comparison as a table and its verdict (fits ``bench/engine.py``'s ``SECTIONS`` signature);
+    ``backend`` runs every stage, the agents' and the one process's, on that stage backend."""
     n = 12 if quick else 32
     rounds = rounds or (1 if quick else ROUNDS)
-    task = progress.add_task("3 agents vs one process", total=2 * rounds) if progress is not None else None
+    label = "" if backend == "torch" else f" ({backend} backend)"
+    task = progress.add_task(f"3 agents vs one process{label}", total=2 * rounds) if progress is not None else None
     log = RoundLog()
     with tempfile.TemporaryDirectory() as tmp:
-        procs, controls = start_agents(model_dir, Path(tmp))
+        procs, controls = start_agents(model_dir, Path(tmp), backend)
         events: queue.Queue[TokenEvent] = queue.Queue()
         try:
             with AgentsIO(controls, secret=SECRET.encode(), dead_after_s=5.0, on_token=events.put) as io:
-                if not io.wait_ready(timeout_s=60):
+                if not io.wait_ready(timeout_s=60 if backend == "torch" else 300):
                     raise SystemExit(f"agents not ready: {io.agents()}")
                 three_agents(io, events, [[1, 2, 3]], "warm")  # first-call allocations on every stage
-                one_process(model_dir, workload(2, seed=99))  # warm-up
+                one_process(model_dir, workload(2, seed=99), backend)  # warm-up
                 for r in log.each_round(rounds):
                     prompts = workload(n, seed=r)
                     tokens = sum(map(len, prompts)) + OUTPUT_TOKENS * n
@@ -145,9 +155,7 @@ def section(model_dir: Path, quick: bool, rounds: int | None = None, progress: P
                             secs = three_agents(io, events, prompts, f"r{r}")
                             cpu = sum(process_cpu_seconds(p.pid) for p in procs.values()) - cpu0
                         else:
-                            cpu0 = time.process_time()
-                            secs = one_process(model_dir, prompts)
-                            cpu = time.process_time() - cpu0
+                            secs, cpu = one_process(model_dir, prompts, backend)
                         log.record(r, f"tokens/s, {arm}", tokens / secs, "tok/s")
                         log.record(r, f"generated tok/s, {arm}", OUTPUT_TOKENS * n / secs, "tok/s")
                         log.record(r, f"CPU s (all processes), {arm}", cpu, "s")
@@ -162,7 +170,7 @@ def section(model_dir: Path, quick: bool, rounds: int | None = None, progress: P
                     proc.wait(timeout=15)
                 except subprocess.TimeoutExpired:
                     proc.kill()
-    title = (f"Three agents over ZeroMQ [0,10) [10,20) [20,30) vs one process [0,30) ({n} requests per round, "
+    title = (f"Three agents over ZeroMQ [0,10) [10,20) [20,30) vs one process [0,30){label} ({n} requests per round, "
              f"prompts U(32, 256), {OUTPUT_TOKENS} output tokens, 1 torch thread per process, {rounds} round(s))")
     return [figures_table(log, title, {RATIO: TARGET}), *verdict_lines(log, {RATIO: TARGET})]
 

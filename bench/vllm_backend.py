@@ -1,16 +1,25 @@
-"""One agent on the vLLM backend vs vLLM's own offline engine (``LLM.generate``) and vs our torch engine.
+"""The vLLM backend: one agent vs vLLM and vs the torch engine; three vLLM-backed agents vs one process.
 
-Same model, workload and batch limits as ``bench/vllm_compare.py`` (whose workload, vLLM worker
-and torch arm this reuses): SmolLM2-135M float32, Orca's request mix, all requests at t = 0, one
-thread per engine. Arms per round, in ABBA order (``bench/harness.py``): a ``StageEngine`` holding
-layers [0, 30) on the vLLM backend (``node_agent/vllm_layers.py``), the same on the torch engine,
-and vLLM's ``LLM.generate`` in a worker process. Targets: vLLM backend ÷ vLLM ≥ 0.9 (our
-scheduling and glue cost at most 10 %, by CPU time); vLLM backend ÷ torch engine is reported.
+Two sections (``--only single|agents`` runs one of them; both by default, in that order).
 
-Not measured here yet: three vLLM-backed agents over ZeroMQ vs one (``bench/agents.py`` measures
-that for the torch engine).
+**single**: one agent on the vLLM backend vs vLLM's own offline engine (``LLM.generate``) and vs
+our torch engine. Same model, workload and batch limits as ``bench/vllm_compare.py`` (whose
+workload, vLLM worker and torch arm this reuses): SmolLM2-135M float32, Orca's request mix, all
+requests at t = 0, one thread per engine. Arms per round, in ABBA order (``bench/harness.py``): a
+``StageEngine`` holding layers [0, 30) on the vLLM backend (``node_agent/vllm_layers.py``), the
+same on the torch engine, and vLLM's ``LLM.generate`` in a worker process. Targets: vLLM backend
+÷ vLLM ≥ 0.9 (our scheduling and glue cost at most 10 %, by CPU time); vLLM backend ÷ torch
+engine is reported.
 
-Run in the venv holding vLLM: ``.venv-vllm/bin/python bench/vllm_backend.py [--quick] [--rounds N]``.
+**agents**: ``bench/agents.py``'s comparison with every stage on the vLLM backend: three
+``python -m node_agent --backend vllm`` subprocesses holding [0, 10), [10, 20), [20, 30) (one torch
+thread each), driven through ``router.agents_io.AgentsIO``, vs one ``StageEngine`` [0, 30) on the
+vLLM backend in this process (one torch thread); its workload (prompts U(32, 256), 32 output
+tokens, all at t = 0; 32 requests per round, 12 with ``--quick``), batch limits and ABBA rounds.
+Target: throughput (tokens/s, wall clock) three agents ÷ one process ≥ 0.7, as for the torch engine.
+
+Run in the venv holding vLLM:
+``.venv-vllm/bin/python bench/vllm_backend.py [--only single|agents] [--quick] [--rounds N]``.
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ import argparse
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -32,8 +41,13 @@ import router.tokenizer  # noqa: E402,F401 - the package first: vllm_compare put
 from harness import RoundLog, Target, add_rounds_option, arm_order, figures_table, verdict_lines  # noqa: E402
 from vllm_compare import SCHED, WARMUP, Ours, VLLMWorker, record, workload  # noqa: E402
 
+if TYPE_CHECKING:
+    from rich.console import Console
+
 TARGETS = {"vLLM backend ÷ vLLM, by CPU time": Target(">=", 0.9)}
 RATIO_TORCH = "vLLM backend ÷ torch engine, by CPU time"
+SINGLE_ROUNDS = 2
+AGENTS_ROUNDS = 3  # bench/agents.py's default
 
 
 class OnVllm(Ours):
@@ -56,21 +70,10 @@ class OnVllm(Ours):
             self.engine.step()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="8 requests, one round")
-    parser.add_argument("--requests", type=int, default=16, help="requests per round (default 16)")
-    add_rounds_option(parser, None, "2, or 1 with --quick")
-    args = parser.parse_args()
-    from rich.console import Console
+def single(model_dir: Path, n: int, rounds: int, console: Console) -> None:
+    """One agent on the vLLM backend vs vLLM's ``LLM.generate`` and vs the torch engine."""
     from rich.progress import Progress
 
-    from node_agent.gguf_convert import cached_model_dir
-    from router.tokenizer import ensure_tokenizer_dir
-
-    n, rounds = (8, 1) if args.quick else (args.requests, args.rounds or 2)
-    model_dir = ensure_tokenizer_dir(cached_model_dir())
-    console = Console(width=max(Console().width, 120))
     log = RoundLog()
     with Progress(console=console, transient=True) as progress:
         arms: dict[str, Any] = {"vLLM backend": OnVllm(model_dir, 1, progress), "torch engine": Ours(model_dir, 1, progress),
@@ -90,6 +93,40 @@ def main() -> None:
                                      f"per round, {rounds} round(s)", TARGETS))  # fmt: skip
     for line in verdict_lines(log, TARGETS):
         console.print(line)
+
+
+def agents_on_vllm(model_dir: Path, quick: bool, rounds: int | None, console: Console) -> None:
+    """``bench/agents.py``'s three agents vs one process, every stage on the vLLM backend."""
+    import agents
+    import torch
+    from rich.progress import Progress
+
+    torch.set_num_threads(1)  # the one-process arm; each agent gets --threads 1 and OMP_NUM_THREADS=1
+    with Progress(console=console, transient=True) as progress:
+        parts = agents.section(model_dir, quick, rounds or (1 if quick else AGENTS_ROUNDS), progress, backend="vllm")
+    for part in parts:
+        console.print(part)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=["single", "agents"], help="run one section (default: both)")
+    parser.add_argument("--quick", action="store_true", help="one round; single: 8 requests, agents: 12")
+    parser.add_argument("--requests", type=int, default=16, help="single: requests per round (default 16)")
+    add_rounds_option(parser, None, f"single {SINGLE_ROUNDS}, agents {AGENTS_ROUNDS}, or 1 with --quick")
+    args = parser.parse_args()
+    from rich.console import Console
+
+    from node_agent.gguf_convert import cached_model_dir
+    from router.tokenizer import ensure_tokenizer_dir
+
+    model_dir = ensure_tokenizer_dir(cached_model_dir())
+    console = Console(width=max(Console().width, 120))
+    if args.only in (None, "single"):
+        n, rounds = (8, 1) if args.quick else (args.requests, args.rounds or SINGLE_ROUNDS)
+        single(model_dir, n, rounds, console)
+    if args.only in (None, "agents"):
+        agents_on_vllm(model_dir, args.quick, args.rounds, console)
 
 
 if __name__ == "__main__":
