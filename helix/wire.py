@@ -40,6 +40,7 @@ from helix.wire_messages import (
     DEFAULT_MAX_FRAME_BYTES,
     DTYPE_BYTES,
     KINDS,
+    MAX_GRAMMAR_CHARS,
     MAX_ID_CHARS,
     MAX_LIST,
     MAX_LOGIT_BIAS,
@@ -88,6 +89,7 @@ __all__ = [  # the protocol: messages and limits (helix.wire_messages), codec, h
     "Heartbeat",
     "Hello",
     "KINDS",
+    "MAX_GRAMMAR_CHARS",
     "MAX_ID_CHARS",
     "MAX_LIST",
     "MAX_LOGIT_BIAS",
@@ -144,7 +146,7 @@ def _sampling(s: SamplingSpec) -> dict[str, Any]:
     return {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "seed": s.seed,
             "stop_token_ids": list(s.stop_token_ids), "presence_penalty": s.presence_penalty,
             "frequency_penalty": s.frequency_penalty, "logit_bias": [[t, b] for t, b in s.logit_bias],
-            "prior_output_ids": list(s.prior_output_ids)}  # fmt: skip
+            "prior_output_ids": list(s.prior_output_ids), "grammar": s.grammar}  # fmt: skip
 
 
 def _header(msg: Message) -> dict[str, Any]:

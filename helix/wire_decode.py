@@ -15,6 +15,7 @@ from helix.wire_messages import (
     DEFAULT_MAX_FRAME_BYTES,
     DTYPE_BYTES,
     KINDS,
+    MAX_GRAMMAR_CHARS,
     MAX_ID_CHARS,
     MAX_LIST,
     MAX_LOGIT_BIAS,
@@ -128,6 +129,12 @@ def _logit_bias(f: _Fields, name: str, v: Any) -> tuple[tuple[int, float], ...]:
     return tuple(pairs)
 
 
+def _grammar(f: _Fields, name: str, v: Any) -> str:
+    if not isinstance(v, str) or len(v) > MAX_GRAMMAR_CHARS:
+        raise f.fail(name, f"expected a string of at most {MAX_GRAMMAR_CHARS} characters, got {_show(v)}")
+    return v
+
+
 def _decode_sampling(f: _Fields, name: str, v: Any) -> SamplingSpec:
     if not isinstance(v, dict):
         raise f.fail(name, f"expected a map, got {_show(v)}")
@@ -146,6 +153,7 @@ def _decode_sampling(f: _Fields, name: str, v: Any) -> SamplingSpec:
         frequency_penalty=_float(s, "frequency_penalty", s.get("frequency_penalty", 0.0), -MAX_PENALTY, MAX_PENALTY),
         logit_bias=_logit_bias(s, "logit_bias", s.get("logit_bias", [])),
         prior_output_ids=_token_ids(s, "prior_output_ids", s.get("prior_output_ids", [])),
+        grammar=_grammar(s, "grammar", s.get("grammar", "")),
     )
     s.done()
     return out

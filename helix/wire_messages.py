@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PROTOCOL_VERSION = 3  # 2: SamplingSpec carries penalties, logit_bias and prior_output_ids; 3: HEARTBEAT.steps
+# 2: SamplingSpec carries penalties, logit_bias and prior_output_ids; 3: HEARTBEAT.steps; 4: SamplingSpec.grammar
+PROTOCOL_VERSION = 4
 DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
 NONCE_BYTES = 32
 DTYPE_BYTES: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -16,6 +17,7 @@ MAX_ID_CHARS = 256
 MAX_LIST = 1 << 20
 MAX_PENALTY = 2.0  # presence/frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range)
 MAX_LOGIT_BIAS = 100.0  # a logit bias lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS]
+MAX_GRAMMAR_CHARS = 1 << 24  # the longest SamplingSpec.grammar: more than a schema in any request body compiles to
 
 Buffer = bytes | bytearray | memoryview
 
@@ -49,6 +51,8 @@ class SamplingSpec:
     ``bias`` to ``logits[token_id]`` for each ``(token_id, bias)`` pair. ``prior_output_ids`` are
     the tokens the request generated before this admission (on a pipeline that failed; they are
     the tail of the re-prefilled prompt): the penalties count them as if sampled here.
+    ``grammar`` (empty: none) is an llguidance grammar, a JSON string the coordinator compiled
+    from ``response_format``: the output must follow it, ``prior_output_ids`` included.
     """
 
     temperature: float = 0.0
@@ -60,6 +64,7 @@ class SamplingSpec:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     prior_output_ids: tuple[int, ...] = ()
+    grammar: str = ""
 
 
 @dataclass(frozen=True, slots=True)

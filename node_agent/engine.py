@@ -24,6 +24,7 @@ import torch
 from helix.errors import EngineError, RequestError
 from node_agent.backends import StageBackend, build_stage_model
 from node_agent.config import ModelConfig, load_config
+from node_agent.grammar import GrammarTokenizer
 from node_agent.kv_cache import KVAccount, KVUsage, RequestKV
 from node_agent.model import Segment
 from node_agent.sampling import RequestSampler, SamplingParams, finish_reason
@@ -78,6 +79,7 @@ class StageEngine:
         self.model = build_stage_model(model_dir, self.config, layer_start, end, self.backend)
         self.layer_start, self.layer_end = layer_start, end
         self.scheduler = Scheduler(scheduler or SchedulerConfig(), KVAccount(kv_capacity_tokens))
+        self.grammars = GrammarTokenizer(model_dir, self.config.vocab_size, self.config.eos_token_ids)  # read lazily
         self._requests: dict[str, _Request] = {}
 
     # ---- request lifecycle -------------------------------------------------------------------
@@ -104,7 +106,7 @@ class StageEngine:
         elif not prompt_len:
             raise RequestError("a request starting past layer 0 needs prompt_len", param="prompt_len")
         ends_model = end == self.config.num_layers
-        sampler = RequestSampler(sampling, self.config.vocab_size) if ends_model else None
+        sampler = RequestSampler(sampling, self.config.vocab_size, self.grammars) if ends_model else None
         self.scheduler.add(request_id, prompt_len, sampling.max_tokens,
                            pending_tokens=prompt_len if start == 0 else 0)
         self._requests[request_id] = _Request(request_id, start, end, sampling,
@@ -220,7 +222,8 @@ class StageEngine:
                 out.token = req.sampler.sample(row)
                 req.num_generated += 1
                 out.logits = row.clone() if req.sampling.return_logits else None
-                out.finish_reason = finish_reason(out.token, req.num_generated, req.sampling)
+                out.finish_reason = finish_reason(out.token, req.num_generated, req.sampling,
+                                                  grammar_done=req.sampler.grammar_done)
                 if out.finish_reason:
                     finished.append(out.request_id)
                 elif req.layer_start == 0:  # this engine runs the whole model for it: loop back

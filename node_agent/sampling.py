@@ -1,23 +1,30 @@
 """Sampling parameters and the per-request token sampler (greedy, temperature, top-k, top-p, seed,
-presence/frequency penalties, logit bias).
+presence/frequency penalties, logit bias, a grammar the output must follow).
 
 Sampling happens only on the stage that holds the last layer. Each request owns a
 :class:`RequestSampler`: a ``torch.Generator`` seeded from ``SamplingParams.seed`` (so its draws
 do not depend on which other requests share the step) and, when a penalty is set, the counts of
 the tokens it generated. Before a token is picked the logits are adjusted, OpenAI's way:
 ``logits[t] += logit_bias[t] - presence_penalty * (count[t] > 0) - frequency_penalty * count[t]``
-(counts include ``prior_output_ids``, the tokens generated before a failover re-prefill). Stop
-conditions (stop token, ``max_tokens``) are decided here too.
+(counts include ``prior_output_ids``, the tokens generated before a failover re-prefill). With a
+``grammar`` (JSON mode, structured outputs) a :class:`~node_agent.grammar.GrammarMatcher` then
+sets every token the grammar forbids to ``-inf`` and consumes the token picked; it consumes
+``prior_output_ids`` first, so a re-prefilled request continues the same constrained output.
+Stop conditions (stop token, the grammar complete, ``max_tokens``) are decided here too.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from helix.errors import RequestError
 from helix.wire import MAX_LOGIT_BIAS, MAX_PENALTY
+
+if TYPE_CHECKING:
+    from node_agent.grammar import GrammarMatcher, GrammarTokenizer
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +41,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # in [-2, 2]
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # (token id, bias in [-100, 100])
     prior_output_ids: tuple[int, ...] = field(default_factory=tuple)  # generated before a re-prefill
+    grammar: str = ""  # an llguidance grammar the output follows (empty: none)
     return_logits: bool = False  # attach the sampled row's logits (as the model gave them) to the output
 
     def __post_init__(self) -> None:
@@ -74,12 +82,13 @@ def make_generator(params: SamplingParams) -> torch.Generator:
 
 
 class RequestSampler:
-    """One request's token picker on the last stage: its generator, its logit bias, and the counts
-    of the tokens it generated (kept only when a penalty is set)."""
+    """One request's token picker on the last stage: its generator, its logit bias, the counts of
+    the tokens it generated (kept only when a penalty is set) and its grammar matcher (with a
+    grammar; ``grammars`` reads the vocabulary for it)."""
 
-    __slots__ = ("params", "generator", "_counts", "_bias_ids", "_bias")
+    __slots__ = ("params", "generator", "grammar", "_counts", "_bias_ids", "_bias", "_stop_ids")
 
-    def __init__(self, params: SamplingParams, vocab_size: int) -> None:
+    def __init__(self, params: SamplingParams, vocab_size: int, grammars: GrammarTokenizer | None = None) -> None:
         bad = [t for t, _ in params.logit_bias if not 0 <= t < vocab_size]
         if bad:
             raise RequestError(f"logit_bias names token id {bad[0]}, outside the vocabulary [0, {vocab_size})",
@@ -96,6 +105,12 @@ class RequestSampler:
                                           minlength=vocab_size).float()
         self._bias_ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long)
         self._bias = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32)
+        self._stop_ids = torch.tensor([t for t in params.stop_token_ids if 0 <= t < vocab_size], dtype=torch.long)
+        self.grammar: GrammarMatcher | None = None
+        if params.grammar:
+            if grammars is None:
+                raise RequestError("this stage cannot follow a grammar (no tokenizer)", param="response_format")
+            self.grammar = grammars.matcher(params.grammar, params.prior_output_ids)
 
     def adjusted(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` (a ``[vocab]`` row) with the logit bias and the penalties applied (a new tensor
@@ -110,12 +125,31 @@ class RequestSampler:
             out -= p.presence_penalty * (self._counts > 0).float() + p.frequency_penalty * self._counts
         return out
 
+    def masked(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` with every token the grammar forbids next at ``-inf`` (a new tensor). The
+        request's stop tokens are allowed exactly where the grammar may end."""
+        assert self.grammar is not None
+        allowed = self.grammar.allowed()
+        if self._stop_ids.numel():
+            allowed[self._stop_ids] = self.grammar.accepting
+        return logits.masked_fill(~allowed, float("-inf"))
+
     def sample(self, logits: torch.Tensor) -> int:
-        """Pick the next token from a ``[vocab]`` logits row and count it."""
-        token = sample_token(self.adjusted(logits), self.params, self.generator)
+        """Pick the next token from a ``[vocab]`` logits row, count it and move the grammar past it."""
+        scores = self.adjusted(logits)
+        if self.grammar is not None:
+            scores = self.masked(scores)
+        token = sample_token(scores, self.params, self.generator)
         if self._counts is not None:
             self._counts[token] += 1
+        if self.grammar is not None and token not in self.params.stop_token_ids:
+            self.grammar.consume(token)
         return token
+
+    @property
+    def grammar_done(self) -> bool:
+        """Whether the request has a grammar that admits no further token."""
+        return self.grammar is not None and self.grammar.done
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
@@ -152,9 +186,10 @@ def _sample_nucleus(probs: torch.Tensor, top_p: float, generator: torch.Generato
     return int(order[_inverse_cdf(top[: max(1, keep)], generator)])
 
 
-def finish_reason(token: int, num_generated: int, params: SamplingParams) -> str | None:
-    """``"stop"`` on a stop token, ``"length"`` at ``max_tokens``, else ``None`` (keep going)."""
-    if token in params.stop_token_ids:
+def finish_reason(token: int, num_generated: int, params: SamplingParams, *, grammar_done: bool = False) -> str | None:
+    """``"stop"`` on a stop token or once the grammar is complete, ``"length"`` at ``max_tokens``,
+    else ``None`` (keep going)."""
+    if token in params.stop_token_ids or grammar_done:
         return "stop"
     if num_generated >= params.max_tokens:
         return "length"

@@ -48,7 +48,7 @@ def sampling_params(spec: wire.SamplingSpec, max_tokens: int) -> SamplingParams:
                           top_p=spec.top_p if spec.top_p > 0 else 1.0, seed=spec.seed,
                           stop_token_ids=spec.stop_token_ids, presence_penalty=spec.presence_penalty,
                           frequency_penalty=spec.frequency_penalty, logit_bias=spec.logit_bias,
-                          prior_output_ids=spec.prior_output_ids)  # fmt: skip
+                          prior_output_ids=spec.prior_output_ids, grammar=spec.grammar)  # fmt: skip
 
 
 def configure(sock: zmq.Socket[Any]) -> None:

@@ -231,7 +231,7 @@ def _generation(coordinator: Coordinator, body: Any, prompt_ids: list[int], *, d
     return GenerationRequest(prompt_ids=prompt_ids, max_tokens=max_tokens, temperature=body.temperature,
                              top_p=body.top_p, seed=body.seed, stop=tuple(body.stop_strings),
                              presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-                             logit_bias=body.logit_bias_pairs)
+                             logit_bias=body.logit_bias_pairs, grammar=body.grammar)
 
 
 def _helix_info(pipelines: Sequence[Pipeline]) -> HelixInfo:

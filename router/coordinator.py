@@ -191,13 +191,14 @@ class Coordinator:
 
     def _sampling(self, flight: Flight) -> SamplingSpec:
         """The attempt's sampling parameters. A re-prefill after a failover carries the tokens
-        generated so far, so the last stage's penalty counts cover the whole output."""
+        generated so far, so the last stage's penalty counts cover the whole output and its
+        grammar matcher continues where the failed pipeline's stopped."""
         gen = flight.gen
-        penalized = bool(gen.presence_penalty or gen.frequency_penalty)
+        stateful = bool(gen.presence_penalty or gen.frequency_penalty or gen.grammar)
         return SamplingSpec(temperature=gen.temperature, top_p=gen.top_p, seed=gen.seed, stop_token_ids=self._stop_ids,
                             presence_penalty=gen.presence_penalty, frequency_penalty=gen.frequency_penalty,
-                            logit_bias=gen.logit_bias,
-                            prior_output_ids=tuple(flight.output_ids) if penalized else ())
+                            logit_bias=gen.logit_bias, grammar=gen.grammar,
+                            prior_output_ids=tuple(flight.output_ids) if stateful else ())
 
     def _callback(self, flight: Flight, wire_id: str) -> Callable[[TokenEvent], None]:
         loop = self.loop

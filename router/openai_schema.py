@@ -10,11 +10,18 @@ What happens to each request field (nothing is silently ignored unless listed as
   :data:`MAX_LOGIT_BIAS_ENTRIES` entries, every id inside the vocabulary, passed as validation
   context ``{"vocab_size": N}``). Types and ranges are validated; ``max_tokens`` is capped by
   the server (context ``{"max_tokens_cap": N}``).
+* **Honoured, chat only**: ``response_format`` (:class:`ResponseFormat`): ``{"type": "text"}``
+  (free text, the default), ``{"type": "json_object"}`` (JSON mode: the output is one JSON
+  object) or ``{"type": "json_schema", "json_schema": {"name", "description", "schema",
+  "strict"}}`` (structured outputs: JSON matching ``schema``, enforced whatever ``strict``
+  says; no ``schema`` means any JSON object). The schema is compiled and checked here
+  (:mod:`router.structured_output`): one llguidance cannot enforce, an unknown ``type`` or a
+  misplaced ``json_schema`` is a 400 naming the sub-field. The output stops when the JSON is
+  complete, or at ``max_tokens`` (cut short: ``finish_reason`` ``"length"``).
 * **Accepted only at their no-op value**: ``n`` (1), ``logprobs`` (off), ``top_logprobs`` (0),
-  ``echo`` (false), ``best_of`` (1), ``suffix`` (empty), ``response_format`` (``{"type":
-  "text"}``: JSON mode and structured outputs are not implemented), ``modalities``
-  (``["text"]``), ``tools`` / ``functions`` (empty), ``tool_choice`` / ``function_call``
-  (``"none"`` or ``"auto"``, which with no tools change nothing). Any other value is a 400.
+  ``echo`` (false), ``best_of`` (1), ``suffix`` (empty), ``modalities`` (``["text"]``),
+  ``tools`` / ``functions`` (empty), ``tool_choice`` / ``function_call`` (``"none"`` or
+  ``"auto"``, which with no tools change nothing). Any other value is a 400.
 * **Accepted and ignored** (:data:`IGNORED_FIELDS`): fields stock OpenAI clients may send that
   do not change the output: ``user``, ``metadata``, ``store``, ``service_tier``,
   ``safety_identifier``, ``prompt_cache_key``, ``prompt_cache_retention``,
@@ -34,9 +41,18 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from helix.wire import MAX_LOGIT_BIAS, MAX_PENALTY
+from router.structured_output import json_object_grammar, json_schema_grammar
 
 DEFAULT_MAX_TOKENS = 16
 MAX_STOP_STRINGS = 4
@@ -131,6 +147,11 @@ class _Request(BaseModel):
         return bool((self.stream_options or {}).get("include_usage"))
 
     @property
+    def grammar(self) -> str:
+        """The llguidance grammar the output must follow (``response_format``); empty for free text."""
+        return ""
+
+    @property
     def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
         """``logit_bias`` as ``(token id, bias)`` pairs in id order (zero biases dropped)."""
         return tuple(sorted((int(k), float(b)) for k, b in (self.logit_bias or {}).items() if b))
@@ -190,13 +211,65 @@ class ChatMessage(BaseModel):
 NO_FUNCTION_CALLING = "Helix does not implement function calling"
 
 
+class JsonSchemaSpec(BaseModel):
+    """``response_format.json_schema``: OpenAI's fields. The schema is enforced whether or not
+    ``strict`` is set; no schema means any JSON object."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+    _grammar: str = PrivateAttr(default="")
+
+    @field_validator("schema_")
+    @classmethod
+    def _enforceable(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None:
+            json_schema_grammar(v)  # a SchemaError (a ValueError) says what cannot be enforced
+        return v
+
+    @model_validator(mode="after")
+    def _compile(self) -> JsonSchemaSpec:
+        self._grammar = json_object_grammar() if self.schema_ is None else json_schema_grammar(self.schema_)
+        return self
+
+
+class ResponseFormat(BaseModel):
+    """``response_format``: ``text`` (free text), ``json_object`` (JSON mode: any JSON object) or
+    ``json_schema`` (structured outputs: JSON matching ``json_schema.schema``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('type "json_schema" needs a "json_schema" object with a "name" and a "schema"')
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError(f'"json_schema" is only read with type "json_schema", not {self.type!r}')
+        return self
+
+    @property
+    def grammar(self) -> str:
+        """The llguidance grammar the output must follow (empty for free text)."""
+        if self.type == "json_object":
+            return json_object_grammar()
+        if self.json_schema is not None:
+            return self.json_schema._grammar
+        return ""
+
+
 class ChatCompletionRequest(_Request):
     """Body of ``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
     modalities: list[str] | None = None
     tools: list[Any] | None = None
     functions: list[Any] | None = None
@@ -208,15 +281,6 @@ class ChatCompletionRequest(_Request):
     def _no_top_logprobs(cls, v: int | None) -> int | None:
         if v:
             raise ValueError("logprobs are not supported")
-        return v
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v is not None and v != {"type": "text"}:
-            kind = v.get("type")
-            raise ValueError(f"type {kind!r} is not supported: Helix generates plain text only (JSON mode and "
-                             'structured outputs are not implemented); send {"type": "text"} or leave it out')
         return v
 
     @field_validator("modalities")
@@ -239,6 +303,10 @@ class ChatCompletionRequest(_Request):
         if v not in (None, "none", "auto"):
             raise ValueError(f"not supported: {NO_FUNCTION_CALLING} (only 'none' or 'auto' with no tools)")
         return v
+
+    @property
+    def grammar(self) -> str:
+        return self.response_format.grammar if self.response_format is not None else ""
 
     @model_validator(mode="after")
     def _merge_max(self, info: ValidationInfo) -> ChatCompletionRequest:

@@ -37,6 +37,7 @@ class GenerationRequest:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids checked against the vocabulary
+    grammar: str = ""  # llguidance grammar the output follows (response_format); empty: free text
 
 
 @dataclass(frozen=True, slots=True)

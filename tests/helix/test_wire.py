@@ -14,7 +14,7 @@ from helix.errors import ProtocolError
 PIPE = (wire.StageRef("a", 0, 10, "tcp://127.0.0.1:5001"), wire.StageRef("b", 10, 30, "tcp://127.0.0.1:5002"))
 SAMPLING = wire.SamplingSpec(temperature=0.7, top_k=40, top_p=0.9, seed=7, stop_token_ids=(2, 49152),
                              presence_penalty=-0.5, frequency_penalty=1.25, logit_bias=((3, -100.0), (77, 2.5)),
-                             prior_output_ids=(9, 9, 4))
+                             prior_output_ids=(9, 9, 4), grammar='{"grammars": [{"json_schema": {"type": "object"}}]}')
 HIDDEN = struct.pack("<6f", *range(6))
 
 
@@ -155,6 +155,9 @@ BAD: dict[str, tuple[list[bytes], str]] = {
                                               "sampling": {"prior_output_ids": [1, 2**40]},
                                               "pipeline": [["a", 0, 30, "t"]]}),
                                      "ADMIT.sampling.prior_output_ids[1]"),
+    "grammar not a string": (_frames({"k": "ADMIT", "request_id": "r", "prompt": [1], "max_tokens": 1,
+                                      "sampling": {"grammar": {"type": "object"}}, "pipeline": [["a", 0, 30, "t"]]}),
+                             "ADMIT.sampling.grammar: expected a string"),
     "gap in pipeline": (_frames({"k": "ADMIT", "request_id": "r", "prompt": [1], "max_tokens": 1, "sampling": {},
                                  "pipeline": [["a", 0, 10, "t"], ["b", 12, 30, "t"]]}), "previous stage ends at 10"),
     "empty layer range": (_frames({"k": "ADMIT", "request_id": "r", "prompt": [1], "max_tokens": 1, "sampling": {},
