@@ -215,7 +215,7 @@ class JsonSchemaSpec(BaseModel):
     """``response_format.json_schema``: OpenAI's fields. The schema is enforced whether or not
     ``strict`` is set; no schema means any JSON object."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid")
 
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
     description: str | None = None
@@ -227,7 +227,7 @@ class JsonSchemaSpec(BaseModel):
     @classmethod
     def _enforceable(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
         if v is not None:
-            json_schema_grammar(v)  # a SchemaError (a ValueError) says what cannot be enforced
+            json_schema_grammar(v)  # a SchemaError (a ValueError) says what cannot be enforced; cached for _compile
         return v
 
     @model_validator(mode="after")
