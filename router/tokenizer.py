@@ -3,9 +3,8 @@
 The coordinator tokenizes prompts and detokenizes sampled tokens itself (agents only see ids).
 It reads a Hugging Face–style model dir: ``tokenizer.json`` (the ``tokenizers`` library) and
 ``tokenizer_config.json`` (chat template rendered with jinja2, special tokens). When the dir
-lacks those files, :func:`write_tokenizer_files` rebuilds them from a GGUF file's metadata with
-the ``gguf`` package — the same byte-level BPE the engine's converter writes, but without
-importing ``node_agent`` or torch (DESIGN.md's dependency rule).
+lacks those files, :func:`ensure_tokenizer_dir` writes them from a GGUF file's metadata
+(``helix.gguf_tokenizer``, shared with the agents' converter, so no torch here).
 
 :class:`IncrementalDetokenizer` turns a growing list of token ids into text deltas that never
 split a multi-byte character.
@@ -20,51 +19,16 @@ from pathlib import Path
 from typing import Any
 
 from helix.errors import ConfigError
+from helix.gguf_tokenizer import write_tokenizer_files
 from helix.smollm2 import CACHE_ROOT as DEFAULT_CACHE_ROOT
 from helix.smollm2 import smollm2_gguf_path
 
-CONTROL_TOKEN_TYPE = 3
+__all__ = ["ChatTokenizer", "IncrementalDetokenizer", "ensure_tokenizer_dir", "write_tokenizer_files"]
 
 
 def default_model_dir() -> Path:
     """Where the engine's converter caches SmolLM2 (``$HELIX_CACHE/<gguf stem>``)."""
     return DEFAULT_CACHE_ROOT / smollm2_gguf_path().stem
-
-
-def write_tokenizer_files(gguf_path: str | Path, out_dir: str | Path) -> Path:
-    """Write ``tokenizer.json`` and ``tokenizer_config.json`` for a GGUF (gpt2 BPE) into ``out_dir``."""
-    from gguf import GGUFReader
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    reader = GGUFReader(str(gguf_path))
-    meta: dict[str, Any] = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
-    if meta.get("tokenizer.ggml.model") != "gpt2":
-        raise ConfigError(f"tokenizer model {meta.get('tokenizer.ggml.model')!r} is unsupported (only gpt2 BPE)",
-                          source=str(gguf_path))
-    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
-    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
-    splits: list[Any] = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
-    if meta.get("tokenizer.ggml.pre") in ("smollm", "starcoder", "refact"):
-        splits.insert(0, pre_tokenizers.Digits(individual_digits=True))
-    tok.pre_tokenizer = pre_tokenizers.Sequence(splits)
-    tok.decoder = decoders.ByteLevel()
-    types = meta.get("tokenizer.ggml.token_type") or []
-    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
-                            for i, t in enumerate(types) if int(t) == CONTROL_TOKEN_TYPE])
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out / "tokenizer.json"))
-
-    def name(key: str) -> str | None:
-        idx = meta.get(f"tokenizer.ggml.{key}_token_id")
-        return None if idx is None else tokens[int(idx)]
-
-    config = {"chat_template": meta.get("tokenizer.chat_template"), "bos_token": name("bos"),
-              "eos_token": name("eos"), "pad_token": name("padding"), "unk_token": name("unknown"),
-              "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False))}
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-    return out
 
 
 def ensure_tokenizer_dir(model_dir: str | Path | None, gguf_path: str | Path | None = None) -> Path:
