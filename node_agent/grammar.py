@@ -3,8 +3,8 @@
 This module owns the agents' use of ``llguidance`` (``router.structured_output`` owns it on the
 coordinator, which compiles a request's ``response_format`` into the grammar that
 ``SamplingParams.grammar`` carries). A grammar constrains text, while an agent sees only token
-ids, so llguidance needs the vocabulary: the model dir's ``tokenizer.json`` (the coordinator
-writes it beside the converted weights, ``router.tokenizer``; a Hugging Face dir ships it).
+ids, so llguidance needs the vocabulary: the model dir's ``tokenizer.json`` (the GGUF converter
+writes it beside the converted weights, ``helix.gguf_tokenizer``; a Hugging Face dir ships it).
 :class:`GrammarTokenizer` reads it once per engine, on the first request that has a grammar.
 
 A :class:`GrammarMatcher` follows one request: :meth:`~GrammarMatcher.allowed` says which tokens
@@ -46,8 +46,8 @@ class GrammarTokenizer:
         if self._tokenizer is None:
             if not self.path.is_file():
                 raise RequestError(f"{self.path} not found: this agent cannot follow a response_format grammar "
-                                   "without its model's tokenizer (write it with `helix serve` on this machine, "
-                                   "or use a Hugging Face model dir)", param="response_format")
+                                   "without its model's tokenizer (a dir converted from a GGUF has it; copy it "
+                                   "from the model's Hugging Face repository)", param="response_format")
             try:
                 self._tokenizer = LLTokenizer(self.path.read_text(), n_vocab=self.vocab_size,
                                               eos_token=self.eos_token_ids or None)
