@@ -18,6 +18,9 @@ A GPU's throughput for a model comes in one of two forms (DESIGN.md):
   Azure conversation trace the paper used) and ``context_tokens`` the mean context a
   decoding request holds (prompt + half the output).
 
+  Curves are read, and an iteration priced, by :mod:`helix.perf_model` (linear between points,
+  flat below the first, 0 for no work), as the planner and the simulator read them.
+
 Optional per-step fixed costs (absent = 0, so profiles without them behave exactly as before):
 
 * ``step_overhead_ms`` as ``[batch tokens, ms]`` points: paid **once per iteration** by every
@@ -68,6 +71,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from helix.errors import ConfigError, InfeasiblePlanError
 from helix.loading import load_model
+from helix.perf_model import CostCurve, NodeCurves
 from helix.spec import ClusterSpec, NodeSpec
 
 AZURE_MEAN_PROMPT_TOKENS = 763
@@ -177,6 +181,20 @@ class ThroughputProfile(_Strict):
             return 0.0
         return (context_tokens - self.decode_context_tokens) * self.decode_ms_per_context_token
 
+    def curves(self) -> NodeCurves | None:
+        """The latency curves as the performance model reads them (:mod:`helix.perf_model`);
+        None without both per-layer curves."""
+        if self.prefill_ms_per_layer is None or self.decode_ms_per_layer is None:
+            return None
+        return NodeCurves(
+            prefill=CostCurve(self.prefill_ms_per_layer),
+            decode=CostCurve(self.decode_ms_per_layer),
+            step=CostCurve(self.step_overhead_ms) if self.step_overhead_ms else None,
+            head=CostCurve(self.head_ms) if self.head_ms else None,
+            context_ref_tokens=self.decode_context_tokens or 0.0,
+            ms_per_context_token=self.decode_ms_per_context_token or 0.0,
+        )
+
     def tok_s_table(self, model: ModelProfile) -> list[float]:
         """tokens/s through all k layers, k = 1..max_layers (given, or derived from the curves)."""
         if self.tok_s is not None:
@@ -235,23 +253,6 @@ class ProfileSet(_Strict):
         return self.gpus[gpu].throughput[model]
 
 
-def _interp(curve: Curve, x: float) -> float:
-    pts = sorted(curve)
-    if x <= pts[0][0]:
-        return pts[0][1] * (x / pts[0][0]) if pts[0][0] > 0 else pts[0][1]
-    for (x0, y0), (x1, y1) in zip(pts, pts[1:], strict=False):
-        if x <= x1:
-            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-    (x0, y0), (x1, y1) = pts[-2], pts[-1]
-    return y1 + (y1 - y0) * (x - x1) / (x1 - x0)
-
-
-def _interp_flat(curve: Curve, x: float) -> float:
-    """A fixed-cost curve at ``x``: flat below the first point (a step costs at least that)."""
-    pts = sorted(curve)
-    return pts[0][1] if x <= pts[0][0] else _interp(pts, x)
-
-
 def derive_tok_s(
     tp: ThroughputProfile,
     *,
@@ -261,25 +262,25 @@ def derive_tok_s(
 ) -> list[float]:
     """The module docstring's formula: tokens/s through k layers from per-layer latency curves
     (plus the optional per-step costs; ``num_layers`` spreads ``head_ms``, default max_layers)."""
-    assert tp.prefill_ms_per_layer is not None and tp.decode_ms_per_layer is not None
+    curves = tp.curves()
+    assert curves is not None and tp.prefill_ms_per_layer is not None and tp.decode_ms_per_layer is not None
     f_prompt = prompt_tokens / (prompt_tokens + output_tokens)
     context = prompt_tokens + output_tokens / 2
     n_layers = num_layers or tp.max_layers
 
-    def fixed_ms(x: float, sequences: float, k: int) -> float:
-        ms = _interp_flat(tp.step_overhead_ms, x) if tp.step_overhead_ms else 0.0
-        return ms + (k / n_layers * _interp_flat(tp.head_ms, sequences) if tp.head_ms else 0.0)
+    def rate(tokens: float, ms: float) -> float:
+        return tokens / (max(ms, 1e-6) / 1000)  # a free step (all-zero curves) is capped, not a division by 0
 
     out: list[float] = []
     for k in range(1, tp.max_layers + 1):
-        prefill = max(t / ((k * ms + fixed_ms(t, 1, k)) / 1000) for t, ms in tp.prefill_ms_per_layer if t > 0 and ms > 0)
+        share = k / n_layers  # of the head: tok_s(k) does not know whether the node holds the last layer
+        prefill = max(rate(t, curves.iteration_ms(((k, t, 0, 0),), sampled=1, head_share=share))
+                      for t, ms in tp.prefill_ms_per_layer if t > 0 and ms > 0)  # fmt: skip
         kv_per_layer = tp.kv_tokens_per_layer(k)
         max_batch = float("inf") if kv_per_layer is None else max(1.0, kv_per_layer / context)
-        decode_points = [(b, ms) for b, ms in tp.decode_ms_per_layer if 0 < b <= max_batch and ms > 0]
-        if not decode_points:
-            decode_points = [(max_batch, _interp(tp.decode_ms_per_layer, max_batch))]
-        per_request = tp.decode_context_ms(context)
-        decode = max(b / ((k * max(ms + b * per_request, 1e-6) + fixed_ms(b, b, k)) / 1000) for b, ms in decode_points)
+        batches = [b for b, ms in tp.decode_ms_per_layer if 0 < b <= max_batch and ms > 0] or [max_batch]
+        decode = max(rate(b, curves.iteration_ms(((k, 0, b, b * context),), sampled=b, head_share=share))
+                     for b in batches)  # fmt: skip
         out.append(1.0 / (f_prompt / prefill + (1 - f_prompt) / decode))
     return out
 

@@ -7,8 +7,8 @@ inner loops never touch pydantic objects:
 * per GPU type (nodes with their own ``max_layers`` cap form a type of their own): ``tok_s[k-1]`` (the paper's node capacity ``T(k)``), ``max_layers``,
   ``kv_entries[k-1]`` (KV entries - one token in one layer - that fit next to ``k`` layers;
   from ``kv_capacity_tokens_by_layers`` or, when absent, from VRAM minus weights) and the
-  per-layer decode/prefill latency curves when the profile has them, with the optional
-  per-step fixed costs (``step_ms`` every stage, ``head_ms`` the last-layer stage);
+  latency curves when the profile has both per-layer ones (``curves``, read by
+  :mod:`helix.perf_model`, with the optional per-step costs and context cost);
 * per node: its GPU type and region; per directed link: tokens/s and latency.
 
 ``coverage`` is the network-free relaxation used throughout: the tokens/s each layer gets
@@ -21,12 +21,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from helix.perf_model import NodeCurves
 from helix.profile import ProfileSet
 from helix.spec import ClusterSpec
 from planner.graph import CapacityModel
 
 Placement = dict[str, tuple[int, int]]
-Curve = list[tuple[float, float]]
 
 KV_VRAM_USABLE = 0.9  # share of VRAM usable for weights + KV when no KV table is profiled
 
@@ -37,14 +37,8 @@ class GpuType:
     max_layers: int
     tok_s: list[float]
     kv_entries: list[float]
-    decode_ms: Curve | None
-    prefill_ms: Curve | None
+    curves: NodeCurves | None  # None: the profile gives tok_s without both per-layer curves
     decode_max_batch: list[int] | None
-    step_ms: Curve | None = None  # once per iteration on every stage, by batch tokens (absent: 0)
-    head_ms: Curve | None = None  # once per iteration on the last-layer stage, by sequences (absent: 0)
-    # decode: ms per layer and request for each token of context beyond decode_context_tokens (absent: 0)
-    decode_context_tokens: float = 0.0
-    decode_ms_per_context_token: float = 0.0
 
 
 @dataclass(slots=True)
@@ -82,13 +76,8 @@ class Instance:
                 max_layers=top,
                 tok_s=cap.node_tok_s[node.id],
                 kv_entries=kv[:top],
-                decode_ms=[(float(b), float(ms)) for b, ms in tp.decode_ms_per_layer] if tp.decode_ms_per_layer else None,
-                prefill_ms=[(float(t), float(ms)) for t, ms in tp.prefill_ms_per_layer] if tp.prefill_ms_per_layer else None,
+                curves=tp.curves(),
                 decode_max_batch=list(tp.decode_max_tokens_by_layers[:top]) if tp.decode_max_tokens_by_layers else None,
-                step_ms=[(float(x), float(ms)) for x, ms in tp.step_overhead_ms] if tp.step_overhead_ms else None,
-                head_ms=[(float(x), float(ms)) for x, ms in tp.head_ms] if tp.head_ms else None,
-                decode_context_tokens=tp.decode_context_tokens or 0.0,
-                decode_ms_per_context_token=tp.decode_ms_per_context_token or 0.0,
             )
         inst = cls(
             cap=cap,

@@ -32,14 +32,13 @@ output tokens per request (Azure conversation trace means: 763 / 232):
 
 from __future__ import annotations
 
-import bisect
 import math
 from dataclasses import dataclass, field
 
 from planner.budget import Deadline
 from planner.graph import hands_off
 from planner.highs_model import Model
-from planner.instance import Curve, GpuType, Instance, Placement
+from planner.instance import Instance, Placement
 
 MAX_PATHS = 400
 MAX_PREFILL_BUSY = 0.9
@@ -69,29 +68,6 @@ class ServingEstimate:
     mean_hops: float
     binding: str  # "compute" | "kv" | "links" | "none"
     path_flows: list[tuple[list[str], float]] = field(default_factory=list)  # (nodes, decode tok/s)
-
-
-# id(curve) -> (the curve itself, so its id is never reused; sorted points; their x values)
-_SORTED: dict[int, tuple[Curve, list[tuple[float, float]], list[float]]] = {}
-
-
-def interp(curve: Curve, x: float) -> float:
-    """Piecewise-linear interpolation (flat below the first point, linear past the last)."""
-    hit = _SORTED.get(id(curve))
-    if hit is None or hit[0] is not curve:
-        pts = sorted(curve)
-        if len(_SORTED) > 1000:
-            _SORTED.clear()
-        hit = _SORTED[id(curve)] = (curve, pts, [p[0] for p in pts])
-    _, pts, xs = hit
-    if x <= xs[0]:
-        return pts[0][1]
-    j = bisect.bisect_left(xs, x)
-    if j >= len(pts):
-        (x0, y0), (x1, y1) = pts[-2], pts[-1]
-        return y1 + (y1 - y0) * (x - x1) / (x1 - x0) if x1 > x0 else y1
-    (x0, y0), (x1, y1) = pts[j - 1], pts[j]
-    return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 > x0 else y1
 
 
 def _decompose(flows: dict[tuple[str, str], float], coord: str) -> list[tuple[list[str], float]]:
@@ -139,30 +115,22 @@ class ServingModel:
 
     def decode_s(self, node: str, layers_run: int, batch: float, last: bool = False) -> float:
         """Seconds of one decode step of ``batch`` requests over ``layers_run`` layers; ``last``:
-        the node holds the model's last layer (pays the profile's ``head_ms``)."""
+        the node holds the model's last layer (pays the profile's ``head_ms``). The steady
+        state's iteration (:mod:`helix.perf_model`): each request at the workload's mean context
+        and, with mixed batches, the workload's share of prompt tokens riding along; a batch
+        above the node's decode limit takes several steps."""
         g = self.inst.gpus[self.inst.gpu_of[node]]
         batch = max(1.0, batch)
-        if g.decode_ms is None:
+        if g.curves is None:
             return batch / g.tok_s[layers_run - 1]
         cap = float(g.decode_max_batch[layers_run - 1]) if g.decode_max_batch else batch
-        steps = math.ceil(batch / cap - 1e-9)  # a batch above the node's decode limit takes several steps
-        per_step = interp(g.decode_ms, batch / steps)
-        if g.decode_ms_per_context_token:  # each request attends over the workload's mean context
-            context = self.w.prompt_tokens + self.w.output_tokens / 2
-            per_step += batch / steps * (context - g.decode_context_tokens) * g.decode_ms_per_context_token
-        riding = 0.0
-        if self.w.mixed_batches and g.prefill_ms is not None:
-            # in steady state every iteration also carries prompt tokens in the workload's ratio
-            riding = batch / steps * self.w.prompt_tokens / self.w.output_tokens
-            per_step += interp(g.prefill_ms, riding)
-        fixed = self._fixed_ms(g, batch / steps + riding, batch / steps, last)
-        return steps * (layers_run * per_step + fixed) / 1000.0
-
-    @staticmethod
-    def _fixed_ms(g: GpuType, batch_tokens: float, sequences: float, last: bool) -> float:
-        """The profile's optional per-step costs: ``step_ms`` on every stage, ``head_ms`` on the last."""
-        ms = interp(g.step_ms, batch_tokens) if g.step_ms else 0.0
-        return ms + (interp(g.head_ms, sequences) if last and g.head_ms else 0.0)
+        steps = math.ceil(batch / cap - 1e-9)
+        per_step = batch / steps
+        # in steady state every iteration also carries prompt tokens in the workload's ratio
+        riding = per_step * self.w.prompt_tokens / self.w.output_tokens if self.w.mixed_batches else 0.0
+        context = per_step * (self.w.prompt_tokens + self.w.output_tokens / 2)
+        ms = g.curves.iteration_ms(((layers_run, riding, per_step, context),), sampled=per_step, head_share=float(last))
+        return steps * ms / 1000.0
 
     def prefill_s(self, node: str, layers_run: int, last: bool = False) -> float:
         key = (self.inst.gpu_of[node], layers_run, last)
@@ -173,9 +141,9 @@ class ServingModel:
 
     def _prefill_s(self, node: str, layers_run: int, last: bool) -> float:
         g = self.inst.gpus[self.inst.gpu_of[node]]
-        if g.prefill_ms is not None:
-            fixed = self._fixed_ms(g, self.w.prompt_tokens, 1.0, last)
-            return (layers_run * interp(g.prefill_ms, self.w.prompt_tokens) + fixed) / 1000.0
+        if g.curves is not None:  # one prompt alone in an iteration
+            span = (layers_run, self.w.prompt_tokens, 0.0, 0.0)
+            return g.curves.iteration_ms((span,), sampled=1.0, head_share=float(last)) / 1000.0
         return self.w.prompt_tokens / g.tok_s[layers_run - 1]
 
     def link_s(self, a: str, b: str) -> float:
@@ -311,7 +279,7 @@ class ServingModel:
             for n, js in through.items():
                 s, e = placement[n]
                 g = inst.gpus[inst.gpu_of[n]]
-                if w.compute == "curves" and g.decode_ms is not None and g.prefill_ms is not None:
+                if w.compute == "curves" and g.curves is not None:
                     # busy seconds per decode token: prefill share + this token's share of a batch step
                     vals = []
                     for j in js:

@@ -23,7 +23,8 @@ Model (documented with its calibration in ``docs/simulator.md``):
   + decode_ms(decode requests on that layer)`` from its profile's per-layer curves (requests
   that entered mid-range run only their layers), plus the profile's optional per-step costs:
   ``step_overhead_ms`` once per iteration on every node, ``head_ms`` on the node holding the
-  last layer (absent: 0). True KV use (entries = tokens x layers) is
+  last layer (absent: 0); priced by :mod:`helix.perf_model`, as the planner prices it. True KV
+  use (entries = tokens x layers) is
   enforced against the node's capacity: a request that would not fit waits, and if nothing
   fits the latest-admitted waiting request is preempted (its KV freed everywhere, re-admitted
   once a request finishes, with its generated tokens re-prefilled), so KV never exceeds capacity.
@@ -58,7 +59,7 @@ from router.policy import Router, RouteRequest
 from simulator.hosts import SharedHost
 from simulator.results import SimConfig, SimResult, percentiles
 from simulator.routing import make_router
-from simulator.state import SimNode, SimRequest, latency_table
+from simulator.state import SimNode, SimRequest
 from simulator.workload import LengthSampler, RequestSpec, arrival_times
 
 __all__ = ["SimConfig", "SimResult", "Simulation", "simulate"]
@@ -95,12 +96,11 @@ class Simulation:
         )
         self.placement = dict(plan.placement)
         self.nodes: dict[str, SimNode] = {}
-        tables: dict[tuple[str, int], tuple[list[float], list[float]]] = {}
-        fixed: dict[str, tuple[list[float] | None, list[float] | None]] = {}
         for nid, (s, e) in plan.placement.items():
             gpu = cluster.node(nid).gpu
             tp = profiles.throughput(gpu, cluster.model)
-            if tp.prefill_ms_per_layer is None or tp.decode_ms_per_layer is None:
+            curves = tp.curves()
+            if curves is None:
                 raise ConfigError(
                     f"GPU {gpu!r} has only a tok_s table for {cluster.model}; the simulator needs its latency curves "
                     f"(prefill_ms_per_layer, decode_ms_per_layer): measure them with `helix profile --cluster "
@@ -111,19 +111,9 @@ class Simulation:
             k = e - s
             pmax = tp.prompt_max_tokens_by_layers[k - 1] if tp.prompt_max_tokens_by_layers else 4096
             dmax = tp.decode_max_tokens_by_layers[k - 1] if tp.decode_max_tokens_by_layers else 256
-            if gpu not in {g for g, _ in tables}:
-                tables[(gpu, 0)] = (latency_table(tp.prefill_ms_per_layer, max(pmax, 2048) * 2 + 1),
-                                    latency_table(tp.decode_ms_per_layer, dmax * 2 + 1))
-            pf, dc = tables[(gpu, 0)]
-            if gpu not in fixed:  # the profile's optional per-step costs (absent: 0)
-                n_tab = max(pmax, 2048) * 2 + dmax * 2 + 1
-                fixed[gpu] = (latency_table(tp.step_overhead_ms, n_tab, proportional_low=False) if tp.step_overhead_ms else None,
-                              latency_table(tp.head_ms, n_tab, proportional_low=False) if tp.head_ms else None)
-            step, head = fixed[gpu]
             cap = base.kv.nodes[nid].capacity if nid in base.kv.nodes else math.inf
-            self.nodes[nid] = SimNode(nid, s, e, cap, pf, dc, pmax, dmax, step, head if e == self.num_layers else None,
-                                      tp.decode_context_tokens or 0.0, tp.decode_ms_per_context_token or 0.0)
-        initial = {n.id: n.k * n.dc[1] / 1000.0 for n in self.nodes.values()}
+            self.nodes[nid] = SimNode(nid, s, e, cap, curves, pmax, dmax, last=e == self.num_layers)
+        initial = {n.id: n.k * n.curves.decode.at(1) / 1000.0 for n in self.nodes.values()}
         self.router, self.swarm = make_router(
             config.router, base, seed=config.seed, queue_len=lambda n: len(self.nodes[n].queue) + len(self.nodes[n].batch),
             swarm_initial_s=initial,

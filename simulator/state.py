@@ -1,8 +1,9 @@
-"""The simulation's mutable state: requests and nodes, and the per-node latency tables."""
+"""The simulation's mutable state: requests and nodes (an iteration's cost comes from
+:mod:`helix.perf_model`, as the planner prices it)."""
 
 from __future__ import annotations
 
-import numpy as np
+from helix.perf_model import NodeCurves, Span
 
 
 class SimRequest:
@@ -30,20 +31,16 @@ class SimRequest:
 
 
 class SimNode:
-    """One placed node: its layers, latency tables, KV, queue and the iteration it runs."""
+    """One placed node: its layers, latency curves, KV, queue and the iteration it runs."""
 
-    __slots__ = ("id", "start", "end", "k", "cap", "pf", "dc", "pmax", "dmax", "queue", "busy", "kv_used",
-                 "kv_peak", "busy_s", "batch", "iters", "t_start", "step", "head", "waking", "version", "remaining",
-                 "ctx_ref", "ctx_ms")
+    __slots__ = ("id", "start", "end", "k", "cap", "curves", "head_share", "pmax", "dmax", "queue", "busy",
+                 "kv_used", "kv_peak", "busy_s", "batch", "iters", "t_start", "waking", "version", "remaining")
 
-    def __init__(self, nid: str, start: int, end: int, cap: float, pf: list[float], dc: list[float],
-                 pmax: int, dmax: int, step: list[float] | None = None, head: list[float] | None = None,
-                 ctx_ref: float = 0.0, ctx_ms: float = 0.0) -> None:
+    def __init__(self, nid: str, start: int, end: int, cap: float, curves: NodeCurves, pmax: int, dmax: int,
+                 *, last: bool = False) -> None:
         self.id, self.start, self.end, self.k = nid, start, end, end - start
-        self.cap, self.pf, self.dc, self.pmax, self.dmax = cap, pf, dc, pmax, dmax
-        self.step = step  # ms per iteration by batch tokens (prompt tokens + decodes), every stage
-        self.head = head  # ms per iteration by sequences sampled; only on the stage with the last layer
-        self.ctx_ref, self.ctx_ms = ctx_ref, ctx_ms  # decode: ms per layer, request and context token beyond ctx_ref
+        self.cap, self.curves, self.pmax, self.dmax = cap, curves, pmax, dmax
+        self.head_share = 1.0 if last else 0.0  # the head is paid on the stage holding the model's last layer
         self.queue: list[SimRequest] = []
         self.busy = False
         self.kv_used = 0.0
@@ -112,48 +109,20 @@ class SimNode:
         return batch, by_start
 
     def iteration_ms(self, by_start: dict[int, list[int]] | dict[int, tuple[int, int, int]], sampled: int) -> float:
-        """What one iteration costs here: ``by_start`` maps the first layer requests entered at to
-        their (prefill tokens, decoding requests, those requests' context tokens); a layer runs the
-        tokens of every request that entered at or before it. Plus the per-step cost by batch
-        tokens, and the head by the ``sampled`` sequences on the stage holding the last layer."""
-        pf, dc, ctx_ref, ctx_ms = self.pf, self.dc, self.ctx_ref, self.ctx_ms
-        p_top, d_top = len(pf) - 1, len(dc) - 1
+        """What one iteration costs here (:meth:`helix.perf_model.NodeCurves.iteration_ms`):
+        ``by_start`` maps the first layer requests entered at to their (prefill tokens, decoding
+        requests, those requests' context tokens); a layer runs the tokens of every request that
+        entered at or before it. The head is priced by the ``sampled`` sequences."""
         if len(by_start) == 1:
             start, (ptoks, dcount, ctx) = next(iter(by_start.items()))
-            layer = pf[min(ptoks, p_top)] + dc[min(dcount, d_top)] + ctx_ms * (ctx - dcount * ctx_ref)
-            ms = (self.end - start) * max(0.0, layer)
+            spans: list[Span] = [(self.end - start, ptoks, dcount, ctx)]
         else:
-            ms = 0.0
+            spans = []
             ptoks = dcount = ctx = 0
             starts = sorted(by_start)
             for i, s in enumerate(starts):
                 ptoks += by_start[s][0]
                 dcount += by_start[s][1]
                 ctx += by_start[s][2]
-                seg = (starts[i + 1] if i + 1 < len(starts) else self.end) - s
-                layer = pf[min(ptoks, p_top)] + dc[min(dcount, d_top)] + ctx_ms * (ctx - dcount * ctx_ref)
-                ms += seg * max(0.0, layer)
-        if self.step is not None:
-            ms += self.step[min(ptoks + dcount, len(self.step) - 1)]
-        if self.head is not None:
-            ms += self.head[min(sampled, len(self.head) - 1)]
-        return ms
-
-
-def latency_table(curve: list[tuple[float, float]], n: int, *, proportional_low: bool = True) -> list[float]:
-    """ms for x = 0..n-1 from a curve (linear interpolation, linear extrapolation past the end;
-    below the first point proportional to x, or flat for a fixed per-step cost)."""
-    pts = sorted(curve)
-    xs = np.array([p[0] for p in pts], dtype=float)
-    ys = np.array([p[1] for p in pts], dtype=float)
-    grid = np.arange(n, dtype=float)
-    out = np.interp(grid, xs, ys)
-    if xs[0] > 0 and proportional_low:  # below the first point: proportional to x
-        low = grid < xs[0]
-        out[low] = ys[0] * grid[low] / xs[0]
-    if len(xs) >= 2 and xs[-1] < n - 1:
-        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-        high = grid > xs[-1]
-        out[high] = ys[-1] + slope * (grid[high] - xs[-1])
-    out[0] = 0.0
-    return out.tolist()
+                spans.append(((starts[i + 1] if i + 1 < len(starts) else self.end) - s, ptoks, dcount, ctx))
+        return self.curves.iteration_ms(spans, sampled=sampled, head_share=self.head_share)
