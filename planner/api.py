@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from helix.errors import ConfigError, HelixError, InfeasiblePlanError
+from helix.perf_model import NETWORK_FREE_BOUND, network_free_bound
 from helix.plan import FlowEdge, Plan, check_plan, load_placement, load_plan
 from helix.profile import ProfileSet
 from helix.spec import ClusterSpec
@@ -27,13 +28,7 @@ from planner.progress import ProgressFn
 
 METHODS = ("helix", "paper-milp", *baselines.BASELINES)
 OBJECTIVES = ("serving", "max-flow")
-NETWORK_FREE = "network-free (sum_i max_k k*T_i(k) / L)"
-
-
-
-def network_free_bound(cap: CapacityModel) -> float:
-    """``sum_i max_k k T_i(k) / L`` (the paper's early-stop bound)."""
-    return sum(max(k * t for k, t in enumerate(cap.node_tok_s[n], start=1)) for n in cap.node_tok_s) / cap.num_layers
+NETWORK_FREE = f"network-free ({NETWORK_FREE_BOUND})"
 
 
 def _gpu_of(cluster: ClusterSpec) -> dict[str, str]:
@@ -97,7 +92,7 @@ def make_plan(
     cap = CapacityModel.build(cluster, profiles)
     if warm_start is not None:
         _check_placement(cap, warm_start, source="--warm-start")
-    bound, bound_method = network_free_bound(cap), NETWORK_FREE
+    bound, bound_method = network_free_bound(cap.node_tok_s.values(), cap.num_layers), NETWORK_FREE
     status, solver_name, stop_reason = "heuristic", None, None
     score: dict[str, float] = {}
     stats: dict[str, Any] = {}
@@ -334,6 +329,5 @@ __all__ = [
     "load_checked_plan",
     "load_for_evaluation",
     "make_plan",
-    "network_free_bound",
     "serving_estimate",
 ]

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from helix.perf_model import NETWORK_FREE_BOUND, network_free_bound
 from planner.budget import Deadline
 from planner.highs_model import Model, new_highs, run
 from planner.instance import Instance
@@ -47,11 +48,9 @@ class Bound:
 
 
 def area_bound(inst: Instance) -> float:
-    total = 0.0
-    for t, nodes in inst.type_nodes.items():
-        g = inst.gpus[t]
-        total += len(nodes) * max((k + 1) * g.tok_s[k] for k in range(g.max_layers))
-    return total / inst.num_layers
+    """The network-free bound (1 above) over every node's ``T(k)`` up to its layer limit."""
+    tables = (inst.gpus[inst.gpu_of[n]] for n in inst.nodes)
+    return network_free_bound((g.tok_s[: g.max_layers] for g in tables), inst.num_layers)
 
 
 def coordinator_bound(inst: Instance) -> float:
@@ -221,7 +220,7 @@ def cheap_bound(inst: Instance) -> Bound:
     coord = coordinator_bound(inst)
     if coord < area:
         return Bound(coord, "coordinator links/NIC")
-    return Bound(area, "area: sum_i max_k k*T_i(k) / L")
+    return Bound(area, f"area: {NETWORK_FREE_BOUND}")
 
 
 def upper_bound(

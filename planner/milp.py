@@ -45,6 +45,7 @@ from typing import Any
 import pulp
 
 from helix.errors import ConfigError, InfeasiblePlanError
+from helix.perf_model import NETWORK_FREE_BOUND, network_free_bound
 from helix.units import link_tokens_per_s
 from planner.budget import Deadline
 from planner.graph import CapacityModel, Placement, evaluate
@@ -257,11 +258,6 @@ def solve_pulp(
 # -- the paper's model -----------------------------------------------------------------------
 
 
-def network_free_bound(cap: CapacityModel) -> float:
-    """``sum_i max_k k T_i(k) / L``: every token crosses every layer once somewhere."""
-    return sum(max(k * t for k, t in enumerate(cap.node_tok_s[n], start=1)) for n in cap.node_tok_s) / cap.num_layers
-
-
 def prune_links(cap: CapacityModel, frac: float) -> CapacityModel:
     """Drop the slowest ``frac`` of every node's outgoing node-to-node links (coordinator links stay).
 
@@ -421,7 +417,7 @@ def solve_paper_milp(
     deadline = deadline if deadline is not None else Deadline.after(time_limit_s)
     t0 = time.monotonic()
     work = prune_links(cap, prune_links_frac)
-    nf_bound = network_free_bound(cap)
+    nf_bound = network_free_bound(cap.node_tok_s.values(), cap.num_layers)
     model = build_paper_milp(work, partial_handoffs=partial_handoffs, cap_objective=nf_bound if stop_at_bound else None)
     initial = None
     if warm_start is not None:
@@ -457,7 +453,7 @@ def solve_paper_milp(
             placement[n] = (s, s + k)
         objective = outcome.objective
     bound = nf_bound
-    method = "network-free (sum_i max_k k*T_i(k) / L)"
+    method = f"network-free ({NETWORK_FREE_BOUND})"
     if outcome.bound is not None and outcome.bound < bound and prune_links_frac == 0.0:
         bound, method = outcome.bound, f"MILP dual bound ({outcome.solver})"
     stats.update({"milp_objective_tok_s": objective, "milp_status": outcome.status, "milp_bound_tok_s": outcome.bound})
