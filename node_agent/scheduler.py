@@ -32,7 +32,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from helix.errors import EngineError
-from node_agent.kv_cache import KVAccount, KVUsage
+from node_agent.kv_account import KVAccount, KVUsage
 
 
 @dataclass(frozen=True, slots=True)

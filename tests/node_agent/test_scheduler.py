@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 
 import pytest
 
 from helix.errors import CapacityError, EngineError
-from node_agent.kv_cache import KVAccount
+from node_agent.kv_account import KVAccount
 from node_agent.scheduler import Batch, Scheduler, SchedulerConfig
 
 
@@ -217,3 +219,10 @@ def test_config_validation() -> None:
         SchedulerConfig(max_batch_size=8, token_budget=4)
     with pytest.raises(EngineError, match="chunk_size"):
         SchedulerConfig(chunk_size=0)
+
+
+def test_the_scheduler_and_its_kv_account_import_no_torch() -> None:
+    """A simulator or a coordinator may drive the real scheduler without an engine."""
+    code = "import sys, node_agent.scheduler, node_agent.kv_account; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
