@@ -23,6 +23,7 @@ from rich.table import Table
 
 from helix.console import print_table
 from helix.errors import ConfigError
+from helix.perf_model import CostCurve
 from helix.profile import ProfileSet
 from helix.spec import load_cluster
 from profiler.files import LINKS_FILE_NAME, MEASURED_PROFILES_NAME
@@ -156,13 +157,8 @@ def print_profiles(console: Console, profiles: ProfileSet, *, title: str) -> Non
 
 
 def _at(curve: list[tuple[float, float]] | None, x: float) -> float:
-    """Linear interpolation on a latency curve (nan without one)."""
-    if not curve:
-        return float("nan")
-    import numpy as np
-
-    xs, ys = zip(*sorted(curve), strict=True)
-    return float(np.interp(x, xs, ys))
+    """A latency curve at ``x`` as the planner and the simulator read it (nan without one)."""
+    return CostCurve(curve).at(x) if curve else float("nan")
 
 
 # -- measure -------------------------------------------------------------------------------------
