@@ -90,3 +90,29 @@ class EngineError(HelixError):
     """The engine cannot run: missing weights, unsupported config, bad tensor shapes."""
 
     exit_code = 5
+
+
+class PETError(HelixError):
+    """A task's PET (parameter-efficient fine-tuning) parameters do not fit its base model.
+
+    ``tensor`` names the offending tensor; ``source`` the file it came from, when it came from one.
+    """
+
+    http_status = 400
+
+    def __init__(self, message: str, *, tensor: str | None = None, source: str | None = None) -> None:
+        where = ": ".join(part for part in (source, tensor) if part)
+        super().__init__(f"{where}: {message}" if where else message)
+        self.tensor = tensor
+        self.source = source
+        self.detail = message
+
+
+class UnknownTaskError(HelixError):
+    """A request names a task (a fine-tuned variant of the base model) that is not registered."""
+
+    http_status = 404
+
+    def __init__(self, message: str, *, task: str) -> None:
+        super().__init__(message)
+        self.task = task

@@ -65,18 +65,23 @@ def load_stage_weights(model_dir: str | Path, config: ModelConfig, start: int, e
     """Load the tensors of layers ``[start, end)`` (+ embedding / head as the range requires)."""
     if not 0 <= start < end <= config.num_layers:
         raise EngineError(f"layer range [{start}, {end}) is not inside [0, {config.num_layers})")
+    return load_tensors(model_dir, stage_tensor_names(config, start, end))
+
+
+def load_tensors(model_dir: str | Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """Load the named tensors (float32) from the model dir's safetensors files, and nothing else."""
     model_dir = Path(model_dir)
     index = _tensor_index(model_dir)
     by_file: dict[Path, list[str]] = {}
-    for name in stage_tensor_names(config, start, end):
+    for name in names:
         if name not in index:
             raise EngineError(f"{model_dir}: weights tensor '{name}' not found in any *.safetensors file")
         by_file.setdefault(index[name], []).append(name)
     tensors: dict[str, torch.Tensor] = {}
-    for path, names in by_file.items():
+    for path, in_file in by_file.items():
         if not path.is_file():
             raise EngineError(f"{path}: weights file not found")
         with safe_open(str(path), framework="pt") as f:
-            for name in names:
+            for name in in_file:
                 tensors[name] = f.get_tensor(name).to(torch.float32)
     return tensors
