@@ -23,6 +23,7 @@ import torch
 from helix.errors import EngineError
 from node_agent.config import ModelConfig, load_config
 from node_agent.model import Segment
+from node_agent.pets import TaskRows
 
 BACKENDS = ("torch", "vllm")
 DEVICES = ("cpu", "cuda")
@@ -62,7 +63,7 @@ class StageModelLike(Protocol):
     def holds_embedding(self) -> bool: ...
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor: ...
     def forward(self, hidden: torch.Tensor, segments: list[Segment]) -> torch.Tensor: ...
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+    def logits(self, hidden: torch.Tensor, tasks: TaskRows | None = None) -> torch.Tensor: ...
 
 
 def build_stage_model(model_dir: str | Path, config: ModelConfig, start: int, end: int,

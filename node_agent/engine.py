@@ -12,6 +12,9 @@ A :class:`StageEngine` holds layers ``[layer_start, layer_end)`` of a model, a K
   sampled token (sub-range ends at the last layer).
 * A token sampled elsewhere comes back through ``push_token``; when one engine runs a request's
   whole model it loops the token back itself.
+* Fine-tuned tasks (:mod:`node_agent.pets`) are bound with ``add_task`` (the stage keeps only the
+  PET of its own layers) and named per request (``add_request(..., task=...)``); one step batches
+  the rows of many tasks and of the base model. Torch backend only.
 """
 
 from __future__ import annotations
@@ -21,14 +24,16 @@ from pathlib import Path
 
 import torch
 
-from helix.errors import EngineError, RequestError
+from helix.errors import EngineError, RequestError, UnknownTaskError
 from node_agent.backends import StageBackend, build_stage_model
 from node_agent.config import ModelConfig, load_config
 from node_agent.grammar import GrammarTokenizer
 from node_agent.kv_cache import KVAccount, KVUsage, RequestKV
 from node_agent.model import Segment
+from node_agent.pets import StageTask, TaskPET, TaskRows, bind_task
 from node_agent.sampling import RequestSampler, SamplingParams, finish_reason
 from node_agent.scheduler import Batch, Scheduler, SchedulerConfig
+from node_agent.weights import load_tensors
 
 
 @dataclass(slots=True)
@@ -65,6 +70,7 @@ class _Request:
     pending_hidden: torch.Tensor | None = None
     kv: RequestKV | None = None
     num_generated: int = 0
+    task: StageTask | None = None  # held by the request: unbinding the task lets it finish
 
 
 class StageEngine:
@@ -73,6 +79,7 @@ class StageEngine:
     def __init__(self, model_dir: str | Path, layer_start: int = 0, layer_end: int | None = None, *,
                  kv_capacity_tokens: int = 65536, scheduler: SchedulerConfig | None = None,
                  backend: StageBackend | None = None) -> None:
+        self.model_dir = Path(model_dir)
         self.config: ModelConfig = load_config(model_dir)
         end = self.config.num_layers if layer_end is None else layer_end
         self.backend = backend or StageBackend()
@@ -81,18 +88,56 @@ class StageEngine:
         self.scheduler = Scheduler(scheduler or SchedulerConfig(), KVAccount(kv_capacity_tokens))
         self.grammars = GrammarTokenizer(model_dir, self.config.vocab_size, self.config.eos_token_ids)  # read lazily
         self._requests: dict[str, _Request] = {}
+        self._tasks: dict[str, StageTask] = {}
+
+    # ---- fine-tuned tasks --------------------------------------------------------------------
+    def add_task(self, task_id: str, pet: TaskPET, *, max_lora_rank: int | None = None) -> StageTask:
+        """Bind a task's PET (whole-model or already sliced) to this stage: only its layers are kept.
+
+        Raises ``PETError`` naming the tensor if it does not fit the base; replaces a task of the
+        same id for new requests (requests in flight keep the PET they started with).
+        """
+        if self.backend.name != "torch":
+            raise EngineError(f"backend {self.backend}: fine-tuned tasks (PETs) run on the torch backend only "
+                              f"(task {task_id!r})")  # fmt: skip
+        task = bind_task(task_id, pet, self.config, self.layer_start, self.layer_end, dtype=self.model.dtype,
+                         device=self.model.device, max_lora_rank=max_lora_rank,
+                         base_weights=lambda names: load_tensors(self.model_dir, names))  # fmt: skip
+        self._tasks[task_id] = task
+        return task
+
+    def remove_task(self, task_id: str) -> None:
+        """Unbind a task; its requests in flight finish with it. Unknown ids are ignored."""
+        self._tasks.pop(task_id, None)
+
+    @property
+    def tasks(self) -> dict[str, StageTask]:
+        """The tasks bound to this stage, by id."""
+        return dict(self._tasks)
 
     # ---- request lifecycle -------------------------------------------------------------------
     def add_request(self, request_id: str, sampling: SamplingParams, *,
                     prompt_token_ids: list[int] | None = None, prompt_len: int | None = None,
-                    layer_range: tuple[int, int] | None = None) -> None:
+                    layer_range: tuple[int, int] | None = None, task: str | None = None) -> None:
         """Queue a request. Stage-local sub-range ``layer_range`` defaults to the whole stage.
+
+        ``task`` names a task bound with :meth:`add_task` (``None``: the base model); an unknown
+        one raises ``UnknownTaskError``.
 
         A sub-range starting at layer 0 needs ``prompt_token_ids``; any other needs ``prompt_len``
         (its hidden states come through :meth:`push_hidden`). Raises ``CapacityError`` when the
         request's KV reservation (prompt + max_tokens) exceeds the stage's whole capacity.
         """
         start, end = layer_range or (self.layer_start, self.layer_end)
+        bound = None
+        if task is not None:
+            if self.backend.name != "torch":
+                raise RequestError(f"request {request_id!r} names task {task!r}, but backend {self.backend} "
+                                   f"serves only the base model (tasks run on the torch backend)", param="task")
+            if task not in self._tasks:
+                raise UnknownTaskError(f"request {request_id!r}: task {task!r} is not loaded on stage "
+                                       f"[{self.layer_start}, {self.layer_end})", task=task)  # fmt: skip
+            bound = self._tasks[task]
         if not self.layer_start <= start < end <= self.layer_end:
             raise RequestError(f"layer range [{start}, {end}) is not inside this stage's "
                                f"[{self.layer_start}, {self.layer_end})", param="layer_range")
@@ -111,7 +156,7 @@ class StageEngine:
                            pending_tokens=prompt_len if start == 0 else 0)
         self._requests[request_id] = _Request(request_id, start, end, sampling,
                                               sampler,
-                                              list(prompt_token_ids or []))
+                                              list(prompt_token_ids or []), task=bound)
 
     def push_hidden(self, request_id: str, hidden: torch.Tensor) -> None:
         """Hidden states ``[n, hidden_size]`` from the previous stage for the request's next n tokens."""
@@ -195,7 +240,7 @@ class StageEngine:
                 rows.append(req.pending_hidden[:n])
                 req.pending_hidden = req.pending_hidden[n:] if req.pending_hidden.shape[0] > n else None
             segments.append(Segment(slice(offset, offset + n), req.kv, work.first_position,
-                                    req.layer_start, req.layer_end))
+                                    req.layer_start, req.layer_end, req.task))
             offset += n
         return segments, torch.cat(rows)
 
@@ -215,7 +260,11 @@ class StageEngine:
                 to_sample.append(out)
         finished: list[str] = []
         if sample_rows:
-            logits = self.model.logits(hidden[sample_rows])
+            heads = [self._requests[o.request_id].task for o in to_sample]
+            tasks = TaskRows.group(((t, slice(i, i + 1)) for i, t in enumerate(heads)), hidden.device) \
+                if any(t is not None and t.has_head_bias for t in heads) else None
+            logits = self.model.logits(hidden[sample_rows], tasks) if tasks is not None \
+                else self.model.logits(hidden[sample_rows])
             for out, row in zip(to_sample, logits, strict=True):
                 req = self._requests[out.request_id]
                 assert req.sampler is not None

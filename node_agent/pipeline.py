@@ -21,11 +21,13 @@ class LocalPipeline:
         assert engines[0].layer_start == 0 and engines[-1].layer_end == engines[-1].config.num_layers
         self.engines = engines
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, *,
+                    task: str | None = None) -> None:
+        """Queue a request on every stage; ``task`` names a fine-tuned task bound on each (None: the base)."""
         first, *rest = self.engines
-        first.add_request(request_id, sampling, prompt_token_ids=prompt_token_ids)
+        first.add_request(request_id, sampling, prompt_token_ids=prompt_token_ids, task=task)
         for engine in rest:
-            engine.add_request(request_id, sampling, prompt_len=len(prompt_token_ids))
+            engine.add_request(request_id, sampling, prompt_len=len(prompt_token_ids), task=task)
 
     @property
     def has_unfinished(self) -> bool:

@@ -49,6 +49,7 @@ from vllm.model_executor.model_loader import get_model  # noqa: E402
 from helix.errors import EngineError  # noqa: E402
 from node_agent.config import ModelConfig  # noqa: E402
 from node_agent.model import Segment, StepAttention  # noqa: E402
+from node_agent.pets import TaskRows  # noqa: E402
 
 VLLM_VERSION: str = vllm.__version__
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
@@ -119,9 +120,10 @@ class VllmStageModel:
         assert self.embed_tokens is not None, "embed() on a stage that does not hold layer 0"
         return self.embed_tokens(token_ids.to(self.device))
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, tasks: TaskRows | None = None) -> torch.Tensor:
         """Final norm + LM head on stream rows ``[n, hidden_size]`` -> float32 CPU ``[n, vocab]``."""
         assert self.final_norm is not None and self.lm_head is not None, "logits() on a non-last stage"
+        assert tasks is None, "fine-tuned tasks run on the torch backend only (StageEngine refuses them here)"
         with torch.inference_mode():
             logits = self._logits_processor(self.lm_head, self.final_norm(hidden.contiguous()))
         return logits.to("cpu", torch.float32)
