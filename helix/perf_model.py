@@ -25,16 +25,27 @@ every curve; ``simulator/state.py`` (``latency_table``, a table over integer ``x
 simulator's 0 at ``x <= 0``. The profiler and the paper's tables start their per-layer curves
 at ``(0, 0)``, so for them "below the first point" never happens and nothing moves: the rule
 decides only for hand-written curves that start above 0 (and for the per-step curves, which
-start at 1 and were flat everywhere already). The ``(0, 0)`` point is an ordinary point: a
-decode of one request on a curve whose next point is batch 2 costs half of batch 2
-(docs/simulator.md, "layer time", believes the paper simulator's "one decode costs what two
-cost"; adopting it is issue 21's change, in :meth:`CostCurve.at` alone now).
+start at 1 and were flat everywhere already). The ``(0, 0)`` point is an ordinary point for
+:meth:`CostCurve.at`: on a curve ``(0, 0), (2, y)`` batch 1 reads ``y / 2``.
+
+**A decode step never costs less than the smallest decode batch measured**
+(:meth:`NodeCurves.decode_ms`, ``NodeCurves.decode_floor``, on by default): a decode of fewer
+requests than the decode curve's first point above 0 costs what that point costs, because a
+decode step at batch 1 still reads every weight of the layer. On the paper's tables
+(``(0, 0), (2, 1.4), ...`` for the A100) one decode costs what two cost, as in the paper's
+simulator (issue 21, docs/notes/judge-mechanisms.md section 7: it doubles the interpolated
+cost of a lone decode); on the profiler's curves, measured from batch 1, nothing moves. The
+rule is the node's, not the curve's: it applies to decode only (the paper's simulator
+interpolates a short prompt from ``(0, 0)``, and so do we), and the planner
+(:mod:`planner.serving_model`), the simulator and ``derive_tok_s`` all price decodes through
+it. ``decode_floor=False`` gives the interpolated cost (the simulator's
+``SimConfig.decode_floor`` reproduces the old figures with it).
 
 **An iteration** (:meth:`NodeCurves.iteration_ms`): a node runs ``spans`` of consecutive
 layers, each carrying the prompt tokens and decoding requests of every request that runs it
 (a request that entered mid-range runs only its layers)::
 
-    ms = sum over spans  layers * max(0, prefill(prompt tokens) + decode(decodes)
+    ms = sum over spans  layers * max(0, prefill(prompt tokens) + decode_ms(decodes)
                                         + ms_per_context_token * (context - decodes * context_ref))
          + step(prompt tokens + decodes of the whole batch)
          + head_share * head(sequences sampled)
@@ -69,7 +80,7 @@ NETWORK_FREE_BOUND = "sum_i max_k k*T_i(k) / L"
 class CostCurve:
     """A measured cost curve: ms by batch size, read by the module docstring's rule."""
 
-    __slots__ = ("xs", "ys")
+    __slots__ = ("xs", "ys", "smallest_measured")
 
     def __init__(self, points: Iterable[Sequence[float]]) -> None:
         pts = sorted((float(p[0]), float(p[1])) for p in points)
@@ -77,6 +88,9 @@ class CostCurve:
             raise ValueError("a cost curve needs at least one (batch size, ms) point")
         self.xs = [x for x, _ in pts]
         self.ys = [y for _, y in pts]
+        # the smallest batch size above 0 with a point (a (0, 0) point says no work costs nothing; it measures
+        # nothing); 0 when the curve has no point above 0
+        self.smallest_measured = next((x for x in self.xs if x > 0), 0.0)
 
     def at(self, x: float) -> float:
         """ms at batch size ``x``."""
@@ -113,11 +127,19 @@ class NodeCurves:
     head: CostCurve | None = None  # ms once per iteration on the last-layer node, by sequences sampled; None: 0
     context_ref_tokens: float = 0.0  # context per request the decode curve was measured at
     ms_per_context_token: float = 0.0  # per layer and decoding request, per context token beyond that
+    decode_floor: bool = True  # a decode of fewer requests than the smallest measured batch costs that batch
+
+    def decode_ms(self, decodes: float) -> float:
+        """One layer's decode time for ``decodes`` requests, context aside: the decode curve, but
+        never below its smallest measured batch's cost when ``decode_floor`` (module docstring)."""
+        if self.decode_floor and 0 < decodes < self.decode.smallest_measured:
+            decodes = self.decode.smallest_measured
+        return self.decode.at(decodes)
 
     def layer_ms(self, prompt_tokens: float, decodes: float, context_tokens: float) -> float:
         """One layer's time for a batch of ``prompt_tokens`` and ``decodes`` requests attending
         over ``context_tokens`` in all (never below 0: short contexts are cheaper, not free)."""
-        ms = self.prefill.at(prompt_tokens) + self.decode.at(decodes)
+        ms = self.prefill.at(prompt_tokens) + self.decode_ms(decodes)
         if self.ms_per_context_token:
             ms += self.ms_per_context_token * (context_tokens - decodes * self.context_ref_tokens)
         return ms if ms > 0.0 else 0.0

@@ -37,6 +37,67 @@ def test_a_zero_anchor_prices_one_decode_at_half_of_two() -> None:
     assert CostCurve([(0, 0.0), (2, 1.4), (20, 1.5)]).at(1) == pytest.approx(0.7)
 
 
+PAPER_A100_DECODE = [(0, 0.0), (2, 1.4), (20, 1.5), (50, 1.7), (100, 2.5)]  # ms per layer, the artifact's table
+
+
+def test_a_node_prices_one_decode_as_two_on_the_papers_table() -> None:
+    # issue 21: a decode step below the smallest measured batch (2 here) costs that batch, as the paper's simulator
+    # prices a lone decode; CostCurve.at itself still interpolates from (0, 0)
+    a100 = NodeCurves(prefill=CostCurve([(0, 0.0), (250, 2.0)]), decode=CostCurve(PAPER_A100_DECODE))
+    assert a100.decode.smallest_measured == 2.0
+    assert a100.decode_ms(1) == pytest.approx(1.4)
+    assert a100.decode_ms(2) == pytest.approx(1.4)
+    assert a100.decode_ms(11) == pytest.approx(1.45)  # above the first point: the curve, unchanged
+    assert a100.decode_ms(0) == 0.0
+    assert a100.layer_ms(0, 1, 0) == pytest.approx(1.4)
+    assert a100.layer_ms(125, 0, 0) == pytest.approx(1.0)  # a short prompt is still interpolated from (0, 0)
+    # 8 layers, one decode: 8 x 1.4 ms (it was 8 x 0.7)
+    assert a100.iteration_ms([(8, 0, 1, 0)], sampled=1) == pytest.approx(11.2)
+    old = NodeCurves(prefill=a100.prefill, decode=a100.decode, decode_floor=False)
+    assert old.decode_ms(1) == pytest.approx(0.7)
+    assert old.iteration_ms([(8, 0, 1, 0)], sampled=1) == pytest.approx(5.6)
+
+
+def test_the_decode_floor_leaves_curves_measured_from_batch_one_alone() -> None:
+    profiled = NodeCurves(prefill=CostCurve([(0, 0.0), (16, 0.2)]), decode=CostCurve([(0, 0.0), (1, 0.3), (2, 0.5)]))
+    assert profiled.decode_ms(1) == pytest.approx(0.3)
+    assert profiled.decode_ms(0.5) == pytest.approx(0.3)  # a planner's mean batch below 1: the batch-1 cost
+    no_anchor = NodeCurves(prefill=CostCurve([(16, 0.2)]), decode=CostCurve([(4, 2.0), (8, 3.0)]))
+    assert no_anchor.decode_ms(1) == pytest.approx(2.0)  # flat below the first point, with or without the floor
+
+
+def test_planner_prices_a_lone_decode_as_the_simulator_does() -> None:
+    from planner.instance import Instance
+    from planner.serving_model import ServingModel, Workload
+    from simulator.engine import SimConfig, Simulation
+
+    cluster, profiles, plan = _two_node_case(decode=PAPER_A100_DECODE, prefill=[(0, 0.0), (250, 2.0)])
+    sim = Simulation(cluster, profiles, plan, SimConfig(mode="online", num_requests=1))
+    planner = ServingModel(Instance.build(cluster, profiles), Workload(prompt_tokens=0.0, output_tokens=40.0))
+    # one decode alone on 2 layers, no prompt riding along: 2 x 1.4 ms in both
+    assert sim.nodes["n0"].iteration_ms({0: [0, 1, 0]}, 1) == pytest.approx(2.8)
+    assert planner.decode_s("n0", 2, 1.0) == pytest.approx(0.0028)
+    old = Simulation(cluster, profiles, plan, SimConfig(mode="online", num_requests=1, decode_floor=False))
+    assert old.nodes["n0"].iteration_ms({0: [0, 1, 0]}, 1) == pytest.approx(1.4)
+
+
+def _two_node_case(*, decode: list[tuple[float, float]], prefill: list[tuple[float, float]]):
+    from helix.plan import Plan
+    from helix.profile import GpuProfile, ModelProfile, ProfileSet, ThroughputProfile
+    from helix.spec import ClusterSpec
+
+    model = ModelProfile(num_layers=4, hidden_size=8, layer_weight_bytes=1.0, kv_bytes_per_token_per_layer=1.0)
+    tp = ThroughputProfile(max_layers=4, prefill_ms_per_layer=prefill, decode_ms_per_layer=decode,
+                           kv_capacity_tokens_by_layers=[1e9] * 4)  # fmt: skip
+    profiles = ProfileSet(models={"m": model}, gpus={"g": GpuProfile(vram_gb=1, throughput={"m": tp})})
+    cluster = ClusterSpec.model_validate({
+        "name": "t", "model": "m", "profiles": "p.yaml", "coordinator": {"id": "c"},
+        "nodes": [{"id": "n0", "gpu": "g"}, {"id": "n1", "gpu": "g"}],
+        "defaults": {"intra_region": {"bandwidth_gbps": 1000, "latency_ms": 0.0}}})
+    plan = Plan(cluster="t", model="m", method="given", placement={"n0": (0, 2), "n1": (2, 4)}, max_flow_tok_s=1.0)
+    return cluster, profiles, plan
+
+
 def test_repeated_x_and_empty_curves() -> None:
     twice = CostCurve([(1, 1.0), (2, 2.0), (2, 3.0), (4, 5.0)])
     assert twice.at(3) == pytest.approx(4.0)  # from the later point at x = 2
