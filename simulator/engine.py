@@ -16,15 +16,21 @@ Model (documented with its calibration in ``docs/simulator.md``):
   (:class:`router.kv.KVEstimator`, which holds every admitted request's reservation whatever
   chose its next hops) says the fullest layer is at most ``feed_hwm``. Only the next-hop
   choice differs between routers. ``max_inflight`` replaces that feeder by a fixed number of
-  requests in flight (a sensitivity setting; the paper ran Swarm at 180).
+  requests in flight (a sensitivity setting; the paper ran Swarm at 180). ``flows="judge"``
+  routes over the flows the paper's simulator recomputes instead of the plan's
+  (:func:`simulator.routing.judge_router`).
 * **Nodes.** Iteration-level batching (Orca): when idle, a node takes queued requests FIFO —
   prefills up to ``prompt_max_tokens`` tokens, decodes up to ``decode_max_tokens`` requests —
   and runs one iteration of ``sum over its layers of prefill_ms(prefill tokens on that layer)
   + decode_ms(decode requests on that layer)`` from its profile's per-layer curves (requests
   that entered mid-range run only their layers), plus the profile's optional per-step costs:
   ``step_overhead_ms`` once per iteration on every node, ``head_ms`` on the node holding the
-  last layer (absent: 0); priced by :mod:`helix.perf_model`, as the planner prices it. True KV
-  use (entries = tokens x layers) is
+  last layer (absent: 0); priced by :mod:`helix.perf_model`, as the planner prices it (a decode
+  below the smallest measured batch costs that batch, ``decode_floor``). As the paper's vLLM
+  nodes (issue 21): at most ``prompt_max_tokens // prompt_slot_tokens`` whole prompts per
+  iteration, decodes whose contexts sum to at most ``decode_max_tokens x
+  decode_context_per_slot``, and the bytes a node received for the batch copied to the GPU
+  (``host_copy_gb_per_s``) before it starts. True KV use (entries = tokens x layers) is
   enforced against the node's capacity: a request that would not fit waits, and if nothing
   fits the latest-admitted waiting request is preempted (its KV freed everywhere, re-admitted
   once a request finishes, with its generated tokens re-prefilled), so KV never exceeds capacity.
@@ -43,6 +49,7 @@ Model (documented with its calibration in ``docs/simulator.md``):
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from collections import deque
@@ -58,7 +65,7 @@ from helix.units import gbps_to_bytes_per_s
 from router.policy import Router, RouteRequest
 from simulator.hosts import SharedHost
 from simulator.results import SimConfig, SimResult, percentiles
-from simulator.routing import make_router
+from simulator.routing import FLOWS, judge_router, make_router
 from simulator.state import SimNode, SimRequest
 from simulator.workload import LengthSampler, RequestSpec, arrival_times
 
@@ -81,25 +88,41 @@ class Simulation:
     def __init__(self, cluster: ClusterSpec, profiles: ProfileSet, plan: Plan, config: SimConfig) -> None:
         if config.mode not in ("offline", "online"):
             raise ConfigError(f"unknown mode {config.mode!r} (offline or online)", field="--mode")
-        for name in ("host_cores", "prefill_chunk_tokens"):
+        if config.flows not in FLOWS:
+            raise ConfigError(f"unknown flows {config.flows!r} ({' or '.join(FLOWS)})", field="flows")
+        for name in ("host_cores", "prefill_chunk_tokens", "prompt_slot_tokens"):
             value = getattr(config, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be at least 1 (or None: off), got {value}", field=name)
+        if config.decode_context_per_slot is not None and config.decode_context_per_slot <= 0:
+            raise ConfigError(f"decode_context_per_slot must be positive (or None: off), got "
+                              f"{config.decode_context_per_slot}", field="decode_context_per_slot")  # fmt: skip
+        if any(rate <= 0 for rate in config.host_copy_gb_per_s):
+            raise ConfigError(f"host_copy_gb_per_s rates must be positive, got {config.host_copy_gb_per_s}",
+                              field="host_copy_gb_per_s")  # fmt: skip
         self.cfg = config
         model = profiles.models[cluster.model]
         self.num_layers = model.num_layers
         self.act_bytes = model.activation_bytes_per_token
         self.tok_bytes = model.token_bytes
+        # the paper simulator's host copy: every received byte is copied once at each rate (concat, then to the GPU)
+        self.copy_s_per_byte = sum(1.0 / (rate * 1e9) for rate in config.host_copy_gb_per_s)
         self.coord = cluster.coordinator.id
-        base = Router.from_plan(
-            plan, cluster, profiles, watermark=config.watermark, expected_output_tokens=config.expected_output_tokens
-        )
+        if config.flows == "judge":
+            base = judge_router(plan, cluster, profiles, watermark=config.watermark,
+                                expected_output_tokens=config.expected_output_tokens)  # fmt: skip
+        else:
+            base = Router.from_plan(
+                plan, cluster, profiles, watermark=config.watermark, expected_output_tokens=config.expected_output_tokens
+            )
         self.placement = dict(plan.placement)
         self.nodes: dict[str, SimNode] = {}
         for nid, (s, e) in plan.placement.items():
             gpu = cluster.node(nid).gpu
             tp = profiles.throughput(gpu, cluster.model)
             curves = tp.curves()
+            if curves is not None and not config.decode_floor:
+                curves = dataclasses.replace(curves, decode_floor=False)
             if curves is None:
                 raise ConfigError(
                     f"GPU {gpu!r} has only a tok_s table for {cluster.model}; the simulator needs its latency curves "
@@ -112,8 +135,11 @@ class Simulation:
             pmax = tp.prompt_max_tokens_by_layers[k - 1] if tp.prompt_max_tokens_by_layers else 4096
             dmax = tp.decode_max_tokens_by_layers[k - 1] if tp.decode_max_tokens_by_layers else 256
             cap = base.kv.nodes[nid].capacity if nid in base.kv.nodes else math.inf
-            self.nodes[nid] = SimNode(nid, s, e, cap, curves, pmax, dmax, last=e == self.num_layers)
-        initial = {n.id: n.k * n.curves.decode.at(1) / 1000.0 for n in self.nodes.values()}
+            slot, per_slot = config.prompt_slot_tokens, config.decode_context_per_slot
+            self.nodes[nid] = SimNode(nid, s, e, cap, curves, pmax, dmax, last=e == self.num_layers,
+                                      pcount=None if slot is None else max(1, pmax // slot),
+                                      dctx=None if per_slot is None else dmax * per_slot)  # fmt: skip
+        initial = {n.id: n.k * n.curves.decode_ms(1) / 1000.0 for n in self.nodes.values()}
         self.router, self.swarm = make_router(
             config.router, base, seed=config.seed, queue_len=lambda n: len(self.nodes[n].queue) + len(self.nodes[n].batch),
             swarm_initial_s=initial,
@@ -235,6 +261,9 @@ class Simulation:
                 continue
             batch, by_start = taken
             dur = (n.iteration_ms(by_start, len(batch)) + self.cfg.iteration_overhead_ms) / 1000.0
+            if self.copy_s_per_byte:
+                from_nodes, from_coord = n.received
+                dur += (from_nodes * self.act_bytes + from_coord * self.tok_bytes) * self.copy_s_per_byte
             n.busy = True
             n.batch = batch
             n.t_start = self.now

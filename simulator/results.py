@@ -34,6 +34,21 @@ class SimConfig:
     prefill_chunk_tokens: int | None = None  # Sarathi: one prefill chunk of at most this many tokens per iteration
     gather_window_ms: float = 0.0  # an idle node woken by an arrival starts this much later (helix agent: 3 ms)
     bucket_s: float = 10.0
+    # the paper simulator's mechanisms we believe for a real GPU cluster (issue 21, docs/simulator.md), on by
+    # default; LEGACY_MECHANISMS turns every one off (the figures before issue 21)
+    decode_floor: bool = True  # a decode below the smallest measured batch costs that batch (helix.perf_model)
+    prompt_slot_tokens: int | None = 2048  # whole prompts per iteration <= prompt_max_tokens // this; None: any
+    decode_context_per_slot: float | None = 1000.0  # decodes' contexts summed <= decode_max_tokens x this; None: any
+    host_copy_gb_per_s: tuple[float, ...] = (4.0, 5.0)  # received bytes are copied once at each rate; (): free
+    # routing weights: "plan" = the plan's flows; "judge" = the paper simulator's (networkx max flow recomputed on
+    # the placement, hops under 5 % of their vertex's out-flow dropped): to score a plan as the judge would
+    flows: str = "plan"
+
+
+# SimConfig(**LEGACY_MECHANISMS): our simulator as it was before issue 21 adopted the paper simulator's mechanisms
+LEGACY_MECHANISMS: dict[str, object] = {
+    "decode_floor": False, "prompt_slot_tokens": None, "decode_context_per_slot": None, "host_copy_gb_per_s": (),
+}
 
 
 @dataclass(slots=True)

@@ -33,13 +33,17 @@ class SimRequest:
 class SimNode:
     """One placed node: its layers, latency curves, KV, queue and the iteration it runs."""
 
-    __slots__ = ("id", "start", "end", "k", "cap", "curves", "head_share", "pmax", "dmax", "queue", "busy",
-                 "kv_used", "kv_peak", "busy_s", "batch", "iters", "t_start", "waking", "version", "remaining")
+    __slots__ = ("id", "start", "end", "k", "cap", "curves", "head_share", "pmax", "dmax", "pcount", "dctx",
+                 "queue", "busy", "kv_used", "kv_peak", "busy_s", "batch", "iters", "t_start", "waking", "version",
+                 "remaining", "received")
 
     def __init__(self, nid: str, start: int, end: int, cap: float, curves: NodeCurves, pmax: int, dmax: int,
-                 *, last: bool = False) -> None:
+                 *, last: bool = False, pcount: int | None = None, dctx: float | None = None) -> None:
         self.id, self.start, self.end, self.k = nid, start, end, end - start
         self.cap, self.curves, self.pmax, self.dmax = cap, curves, pmax, dmax
+        self.pcount = pcount  # whole prompts per iteration at most (None: only pmax tokens limit them)
+        self.dctx = dctx  # decoding requests' contexts summed per iteration at most (None: no limit)
+        self.received = [0, 0]  # of the batch taken last: tokens that came from other nodes, from the coordinator
         self.head_share = 1.0 if last else 0.0  # the head is paid on the stage holding the model's last layer
         self.queue: list[SimRequest] = []
         self.busy = False
@@ -54,15 +58,20 @@ class SimNode:
         self.remaining = 0.0  # seconds of work the running iteration has left (shared hosts)
 
     def take_batch(self, chunk: int | None) -> tuple[list[SimRequest], dict[int, list[int]]] | None:
-        """Form the next iteration from the queue, FIFO (Orca): prefills up to ``pmax`` tokens
-        (or, ``chunk``, one chunk of the oldest prompt: Sarathi), decodes up to ``dmax``, each
-        only if its KV fits; the taken requests leave the queue and their KV is held. Returns
-        the batch and its composition by entry layer (:meth:`iteration_ms`), or None when
-        nothing fits (the caller preempts)."""
+        """Form the next iteration from the queue, FIFO (Orca), skipping what does not fit:
+        prefills up to ``pmax`` tokens and ``pcount`` prompts (or, ``chunk``, one chunk of the
+        oldest prompt: Sarathi), decodes up to ``dmax`` requests whose contexts sum to at most
+        ``dctx``, each only if its KV fits; the taken requests leave the queue and their KV is
+        held. Returns the batch and its composition by entry layer (:meth:`iteration_ms`), or
+        None when nothing fits (the caller preempts). ``received`` counts the batch's tokens
+        that arrived by message (a prompt's on its first chunk, a decode's one token; none for a
+        decode a whole-model node fed back to itself): from other nodes, from the coordinator."""
         batch: list[SimRequest] = []
         rest: list[SimRequest] = []
         used, cap = self.kv_used, self.cap
-        ptoks = dcount = 0
+        ptoks = dcount = prompts = dctx = 0
+        pcount, dctx_max = self.pcount, self.dctx
+        from_nodes = from_coord = 0
         by_start: dict[int, list[int]] = {}
         for r in self.queue:
             ls = r.stages[r.stage].layer_start
@@ -74,12 +83,13 @@ class SimNode:
                         rest.append(r)
                         continue
                     todo = min(todo, chunk)
-                elif ptoks and ptoks + todo > self.pmax:
+                elif ptoks and (ptoks + todo > self.pmax or (pcount is not None and prompts >= pcount)):
                     rest.append(r)
                     continue
                 need = r.ctx * layers if r.pdone == 0 else 0.0
             else:
-                if dcount >= self.dmax:
+                context = r.prompt + r.generated
+                if dcount >= self.dmax or (dctx_max is not None and dcount and dctx + context > dctx_max):
                     rest.append(r)
                     continue
                 need = layers
@@ -92,16 +102,25 @@ class SimNode:
             if acc is None:
                 acc = by_start[ls] = [0, 0, 0]
             if r.prefill:
+                received = r.ctx if r.pdone == 0 else 0
                 r.pdone += todo
                 ptoks += todo
+                prompts += 1
                 acc[0] += todo
             else:
+                received = 0 if len(r.stages) == 1 else 1
                 dcount += 1
+                dctx += context
                 acc[1] += 1
-                acc[2] += r.prompt + r.generated  # the context it attends over
+                acc[2] += context  # the context it attends over
+            if r.stage:
+                from_nodes += received
+            else:
+                from_coord += received
             batch.append(r)
         if not batch:
             return None
+        self.received = [from_nodes, from_coord]
         self.queue = rest
         self.kv_used = used
         if used > self.kv_peak:

@@ -160,7 +160,8 @@ def test_per_step_costs_paid_once_per_stage_and_head_on_the_last() -> None:
 
     def decode_gap(plan, **extra) -> float:
         cluster, profiles = _tiny(3, **extra)
-        cfg = SimConfig(mode="online", trace=trace, num_requests=1, warmup_s=0.0, duration_s=1e6)
+        cfg = SimConfig(mode="online", trace=trace, num_requests=1, warmup_s=0.0, duration_s=1e6,
+                        host_copy_gb_per_s=())  # exact sums: no host copy (ns here, tested in test_judge_mechanisms)
         return simulate(cluster, profiles, plan, cfg).decode_latency_s["p50"]
 
     base_pipe, base_single = decode_gap(pipeline), decode_gap(single)
