@@ -44,7 +44,10 @@ Model (documented with its calibration in ``docs/simulator.md``):
   free core, so it runs more, smaller iterations, as the real agents do.
 * **Links.** Each directed link is a FIFO server: a message of ``tokens x bytes per token``
   occupies it for ``bytes / bandwidth`` after the previous one, then arrives ``latency_ms``
-  later. Activations between nodes, token ids to and from the coordinator.
+  later. Activations between nodes, token ids to and from the coordinator. A node's finished
+  batch goes on as one message per next hop (an agent gathers a burst before it steps), or,
+  ``per_request_messages`` (the paper's simulator, off by default), one message per request,
+  back to back, so an idle next node starts on the first and the batch fragments.
 """
 
 from __future__ import annotations
@@ -72,6 +75,19 @@ from simulator.workload import LengthSampler, RequestSpec, arrival_times
 __all__ = ["SimConfig", "SimResult", "Simulation", "simulate"]
 
 _NODE_DONE, _ARRIVE, _COORD, _NEW, _REPORT, _WAKE = 0, 1, 2, 3, 4, 5
+
+
+def _prompt_tokens(r: SimRequest) -> int:
+    return r.ctx
+
+
+def _one_token(r: SimRequest) -> int:
+    return 1
+
+
+def _step_tokens(r: SimRequest) -> int:
+    """Tokens of the activations a stage sends on for ``r``: its prompt (and any re-prefill), or one decode."""
+    return r.ctx if r.prefill else 1
 
 
 def _host(address: str | None) -> str | None:
@@ -166,6 +182,7 @@ class Simulation:
         self.decode_tokens = 0
         self.prompt_tokens = 0
         self.prompt_lat: list[float] = []
+        self.prompt_lat_admitted: list[float] = []  # from admission, as the paper's simulator counts it
         self.decode_lat: list[float] = []
         self.finished = 0
         self.preemptions = 0
@@ -192,6 +209,16 @@ class Simulation:
     def _push(self, t: float, kind: int, a: object, b: object = None) -> None:
         self.seq += 1
         heapq.heappush(self.heap, (t, self.seq, kind, a, b))
+
+    def _send_all(self, src: str, dst: str, reqs: list[SimRequest], tokens_of: Callable[[SimRequest], int],
+                  bytes_per_token: float) -> None:
+        """Send ``reqs`` from ``src`` to ``dst``: one message (an agent's burst, gathered on arrival), or with
+        ``per_request_messages`` one per request, back to back on the link (the paper's simulator)."""
+        if self.cfg.per_request_messages:
+            for r in reqs:
+                self._send(src, dst, tokens_of(r) * bytes_per_token, [r])
+        else:
+            self._send(src, dst, sum(tokens_of(r) for r in reqs) * bytes_per_token, reqs)
 
     def _send(self, src: str, dst: str, nbytes: float, payload: list[SimRequest]) -> None:
         link = self.links.get((src, dst))
@@ -238,6 +265,7 @@ class Simulation:
             except NoRouteError:
                 break
             self.waiting.popleft()
+            r.admitted = self.now
             r.stages = pipeline.stages
             r.stage = 0
             r.prefill = True
@@ -248,7 +276,7 @@ class Simulation:
             if budget is not None:
                 budget -= 1
         for node, reqs in groups.items():
-            self._send(self.coord, node, sum(r.ctx for r in reqs) * self.tok_bytes, reqs)
+            self._send_all(self.coord, node, reqs, _prompt_tokens, self.tok_bytes)
 
     # -- nodes --------------------------------------------------------------------------------
 
@@ -331,10 +359,9 @@ class Simulation:
                 g.append(r)
         for dst, reqs in groups.items():
             if dst == self.coord:
-                nbytes = len(reqs) * self.tok_bytes
+                self._send_all(n.id, dst, reqs, _one_token, self.tok_bytes)
             else:
-                nbytes = sum(r.ctx if r.prefill else 1 for r in reqs) * self.act_bytes
-            self._send(n.id, dst, nbytes, reqs)
+                self._send_all(n.id, dst, reqs, _step_tokens, self.act_bytes)
         if looped:
             self._tokens(looped, loop_back=n)
         self._try_start(n)
@@ -360,6 +387,7 @@ class Simulation:
                     if in_window:
                         self.prompt_tokens += r.prompt
                         self.prompt_lat.append(now - r.arrival)
+                        self.prompt_lat_admitted.append(now - r.admitted)
                     triggers += 1
             else:
                 if in_window:
@@ -390,7 +418,7 @@ class Simulation:
             else:
                 g.append(r)
         for dst, g in groups.items():
-            self._send(self.coord, dst, len(g) * self.tok_bytes, g)
+            self._send_all(self.coord, dst, g, _one_token, self.tok_bytes)
         if triggers:
             self._admit(budget=triggers if self.kv_fed else None)
 
@@ -492,7 +520,9 @@ class Simulation:
             throughput_over_time=[((i + 1) * cfg.bucket_s, c / cfg.bucket_s) for i, c in enumerate(self.buckets)
                                   if (i + 1) * cfg.bucket_s <= min(t1, self.now) + 1e-9],
             events=events,
-            extra={"mean_inflight": float(np.mean(self.inflight_samples)) if self.inflight_samples else math.nan},
+            extra={"mean_inflight": float(np.mean(self.inflight_samples)) if self.inflight_samples else math.nan,
+                   **{f"prompt_latency_from_admission_{k}_s": v
+                      for k, v in percentiles(self.prompt_lat_admitted).items()}},
         )
 
 

@@ -43,6 +43,9 @@ class SimConfig:
     # routing weights: "plan" = the plan's flows; "judge" = the paper simulator's (networkx max flow recomputed on
     # the placement, hops under 5 % of their vertex's out-flow dropped): to score a plan as the judge would
     flows: str = "plan"
+    # the paper simulator's messages: one per request, back to back (an idle node starts on the first); off: one
+    # message per next hop per batch, as an agent that gathers a burst before it steps receives it
+    per_request_messages: bool = False
 
 
 # SimConfig(**LEGACY_MECHANISMS): our simulator as it was before issue 21 adopted the paper simulator's mechanisms

@@ -10,7 +10,7 @@ class SimRequest:
     """One request as the simulation tracks it."""
 
     __slots__ = ("id", "prompt", "output", "generated", "ctx", "stages", "stage", "prefill", "arrival",
-                 "first_token", "last_token", "kv", "seq", "t_enq", "pdone")
+                 "first_token", "last_token", "kv", "seq", "t_enq", "pdone", "admitted")
 
     def __init__(self, rid: int, prompt: int, output: int, arrival: float) -> None:
         self.id = rid
@@ -28,6 +28,7 @@ class SimRequest:
         self.seq = 0
         self.t_enq = 0.0
         self.pdone = 0  # prompt tokens prefilled on the current stage (chunked prefill)
+        self.admitted = arrival  # when the coordinator last routed it (after waiting for KV, or a preemption)
 
 
 class SimNode:
