@@ -34,6 +34,16 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
                         "default: whole prompts up to the profile's limit (the paper's vLLM nodes)")
     p.add_argument("--host-cores", type=int,
                    help="nodes whose addresses name one host run at most N iterations at a time (co-located CPU agents)")
+    p.add_argument("--flows", choices=("plan", "judge"), default="plan",
+                   help="route by the plan's flows, or by the max flow the Helix paper's simulator recomputes "
+                        "(networkx preflow-push, hops under 5%% of their vertex's out-flow dropped): score a plan as "
+                        "that judge would")
+    p.add_argument("--per-request-messages", action="store_true",
+                   help="one message per request, back to back, as the paper's simulator sends them (default: one "
+                        "message per next hop per batch, as an agent gathers a burst)")
+    p.add_argument("--legacy-mechanisms", action="store_true",
+                   help="turn off the paper simulator's mechanisms adopted in issue 21 (a lone decode priced as two, "
+                        "prompt-count and decode-context limits, host copy per received token)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
@@ -48,6 +58,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     from helix.spec import load_cluster
     from planner.api import load_for_evaluation
     from simulator.engine import SimConfig, simulate
+    from simulator.results import LEGACY_MECHANISMS
     from simulator.workload import load_trace
 
     if args.duration <= 0 or args.warmup < 0:
@@ -66,7 +77,9 @@ def run_simulate(args: argparse.Namespace) -> int:
     cfg = SimConfig(mode=mode, router=args.router, duration_s=args.duration, warmup_s=args.warmup, seed=args.seed,
                     lengths=args.lengths, rate_per_s=args.rate, load=load, cv=args.cv, trace=trace,
                     watermark=args.watermark, max_inflight=args.max_inflight, host_cores=args.host_cores,
-                    prefill_chunk_tokens=args.chunk_tokens)
+                    prefill_chunk_tokens=args.chunk_tokens, flows=args.flows,
+                    per_request_messages=args.per_request_messages,
+                    **(LEGACY_MECHANISMS if args.legacy_mechanisms else {}))  # type: ignore[arg-type]
     total = args.warmup + args.duration
     if args.json:
         result = simulate(cluster, profiles, plan, cfg)

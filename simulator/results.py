@@ -76,6 +76,7 @@ class SimResult:
     def to_json(self) -> dict:
         return {
             "router": self.config.router,
+            "flows": self.config.flows,
             "mode": self.config.mode,
             "duration_s": self.config.duration_s,
             "warmup_s": self.config.warmup_s,
