@@ -384,7 +384,7 @@ class SiteDelta:
     out_features: int
     lora_a: torch.Tensor | None = None  # [in, Σr]
     lora_b: tuple[tuple[slice, slice, torch.Tensor, float], ...] = ()  # (ranks, output columns, Bᵀ [r, out], s)
-    sparse: torch.Tensor | None = None  # CSR [out, in]: δ (diff) and −W⊙M̄ (mask)
+    sparse: torch.Tensor | None = None  # CSR [out, in]: δ (diff) and −W⊙M̄ (mask); float32 in any stage dtype
     bias: torch.Tensor | None = None  # [out]
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
@@ -403,7 +403,7 @@ class SiteDelta:
                 pieces.append(x.new_zeros(x.shape[0], self.out_features - col))
             out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
         if self.sparse is not None:
-            sparse = torch.sparse.mm(self.sparse, x.t()).t()
+            sparse = torch.sparse.mm(self.sparse, x.t().float()).t().to(x.dtype)  # float32: every sparse kernel has it
             out = sparse if out is None else out.add_(sparse)
         if self.bias is not None:
             out = self.bias.expand(x.shape[0], -1) if out is None else out.add_(self.bias)
@@ -543,7 +543,7 @@ def _bind_site(config: ModelConfig, layer: int, lp: LayerPET, modules: tuple[str
             warnings.simplefilter("ignore", UserWarning)
             csr = coo.to_sparse_csr()
             site.sparse = torch.sparse_csr_tensor(csr.crow_indices().to(index_dtype), csr.col_indices().to(index_dtype),
-                                                  csr.values().to(dtype), csr.shape, device=device,
+                                                  csr.values().float(), csr.shape, device=device,
                                                   check_invariants=True)  # fmt: skip
     return site
 
