@@ -204,6 +204,7 @@ class StageEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return StepResult([], 0, 0)
+        self._group_by_task(batch)
         with torch.inference_mode():
             segments, hidden = self._gather(batch)
             hidden = self.model.forward(hidden, segments)
@@ -220,6 +221,20 @@ class StageEngine:
         for request_id in finished:
             del self._requests[request_id]
         return StepResult(outputs, batch.num_tokens, sum(w.num_tokens for w in batch.work if w.is_prefill), by_start)
+
+    def _group_by_task(self, batch: Batch) -> None:
+        """Put the rows of each task next to each other (the base's first; stable otherwise), so that
+        a task's PET op runs on one span of the step's rows, with no gather and no scatter (an
+        optimisation only: rows in any order give the same result)."""
+        if not self._tasks:
+            return
+        first_seen: dict[int, int] = {}
+        keys = []
+        for work in batch.work:
+            task = self._requests[work.request_id].task
+            keys.append(-1 if task is None else first_seen.setdefault(id(task), len(first_seen)))
+        if first_seen:
+            batch.work[:] = [work for _, work in sorted(zip(keys, batch.work, strict=True), key=lambda kw: kw[0])]
 
     def _gather(self, batch: Batch) -> tuple[list[Segment], torch.Tensor]:
         rows: list[torch.Tensor] = []

@@ -387,6 +387,23 @@ class SiteDelta:
     sparse: torch.Tensor | None = None  # CSR [out, in]: δ (diff) and −W⊙M̄ (mask); float32 in any stage dtype
     bias: torch.Tensor | None = None  # [out]
 
+    def add_to(self, y: torch.Tensor, x: torch.Tensor, rows: Rows) -> None:
+        """``y[rows] += Δ(x[rows])`` in place. Rows in one span (a request alone in its task, or tasks'
+        rows kept together) take no gather and no scatter: each LoRA ``B`` GEMM accumulates straight
+        into its output columns (``addmm_``, the scaling as its ``alpha``)."""
+        if not isinstance(rows, slice):
+            y.index_add_(0, rows, self.delta(x[rows]))
+            return
+        out, xs = y[rows], x[rows]
+        if self.lora_a is not None:
+            xa = xs @ self.lora_a
+            for ranks, cols, b, scaling in self.lora_b:
+                out[:, cols].addmm_(xa[:, ranks], b, alpha=scaling)
+        if self.sparse is not None:
+            out += torch.sparse.mm(self.sparse, xs.t().float()).t().to(xs.dtype)
+        if self.bias is not None:
+            out += self.bias
+
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         """``Δ`` on the task's rows ``x`` ``[n, in]`` -> ``[n, out]`` (the bias broadcast)."""
         out: torch.Tensor | None = None
@@ -619,7 +636,7 @@ def add_site_deltas(y: torch.Tensor, x: torch.Tensor, deltas: LayerRows, site: s
     for delta, rows in deltas:
         op = delta.sites.get(site)
         if op is not None:
-            add_rows(y, rows, op.delta(x[rows]))
+            op.add_to(y, x, rows)
     return y
 
 

@@ -396,6 +396,36 @@ def test_a_base_only_step_never_runs_a_task_op(tiny: tuple[Path, ModelConfig],
         engine.step()
 
 
+def test_one_task_op_on_scattered_rows_is_the_dense_delta(tiny: tuple[Path, ModelConfig]) -> None:
+    """The unified form on rows that are not one span (gathered, then scattered with index_add_):
+    LoRA on q and v, a sparse delta on k and a bias on q, all in one task, equal ``x·ΔWᵀ + b``."""
+    _, cfg = tiny
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (module_shape(cfg, f"self_attn.{m}_proj") for m in "qkv")
+    lora = {m: pets.LoRAWeights(torch.randn(2, q[1], generator=gen), torch.randn(shape[0], 2, generator=gen), 0.5)
+            for m, shape in (("self_attn.q_proj", q), ("self_attn.v_proj", v))}
+    diff = torch.randn(k, generator=gen) * (torch.rand(k, generator=gen) < 0.005)
+    layer = pets.LayerPET(lora=lora, diff={"self_attn.k_proj": diff.to_sparse().coalesce()},
+                          bias={"self_attn.q_proj": torch.randn(q[0], generator=gen)})
+    task = pets.bind_task("t", TaskPET(pets.PETType.LORA, {1: layer}), cfg, 0, 4)
+    assert sorted(task.layers) == [1] and sorted(task.layers[1].sites) == ["qkv"]
+    tasks = pets.TaskRows.group([(task, slice(0, 2)), (None, slice(2, 4)), (task, slice(4, 5)), (None, slice(5, 6))],
+                                torch.device("cpu"))  # fmt: skip
+    assert tasks is not None and torch.equal(tasks.groups[0][1], torch.tensor([0, 1, 4]))
+    assert tasks.at(0) == [] and len(tasks.at(1)) == 1
+    x, y = torch.randn(6, q[1], generator=gen), torch.randn(6, q[0] + k[0] + v[0], generator=gen)
+    got = pets.add_site_deltas(y.clone(), x, tasks.at(1), "qkv")
+    delta_w = torch.cat([lora["self_attn.q_proj"].b @ lora["self_attn.q_proj"].a * 0.5, diff,
+                         lora["self_attn.v_proj"].b @ lora["self_attn.v_proj"].a * 0.5])
+    bias = torch.cat([layer.bias["self_attn.q_proj"], torch.zeros(k[0] + v[0])])
+    rows = [0, 1, 4]
+    torch.testing.assert_close(got[rows], y[rows] + x[rows] @ delta_w.T + bias)
+    assert torch.equal(got[[2, 3, 5]], y[[2, 3, 5]])
+    spans = y.clone()  # the same task op on one span of rows, added in place
+    task.layers[1].sites["qkv"].add_to(spans, x, slice(1, 3))
+    torch.testing.assert_close(spans[1:3], y[1:3] + x[1:3] @ delta_w.T + bias)
+
+
 def _lora(cfg: ModelConfig, **over: torch.Tensor) -> dict[str, torch.Tensor]:
     tensors = random_lora(cfg, 0, 2, ("self_attn.q_proj",))
     tensors.update(over)
