@@ -59,6 +59,15 @@ workload's share of prompt tokens riding along and its mean context, split into 
 above the node's decode limit), ``derive_tok_s`` prefill-only and decode-only iterations at the
 measured batch sizes.
 
+**The batch limits and host copy of the paper's vLLM nodes** (issue 21; the simulator enforces
+them per iteration, the planner prices its steady state with them): at most
+:func:`prompts_per_iteration` whole prompts in one iteration (``prompt_max_tokens //``
+:data:`PROMPT_SLOT_TOKENS`: the paper's A100 3, L4 and T4 1), decoding requests whose contexts sum
+to at most ``decode_max_tokens x`` :data:`DECODE_CONTEXT_PER_SLOT`, and every byte a node receives
+for an iteration copied to the GPU before it runs, once at each rate of
+:data:`HOST_COPY_GB_PER_S` (:func:`host_copy_s_per_byte`: a 763-token prompt's activations of
+LLaMA-2 70B cost 5.6 ms per stage, a decode's one token 7.4 us).
+
 **The network-free bound** (:func:`network_free_bound`): every token crosses every layer once
 somewhere, and a node holding ``k`` layers pushes ``T(k)`` tokens/s through all of them, so a
 cluster's max flow is at most ``sum_i max_k k * T_i(k) / L`` (the paper's early-stop bound).
@@ -75,6 +84,20 @@ from dataclasses import dataclass
 Span = tuple[float, float, float, float]
 
 NETWORK_FREE_BOUND = "sum_i max_k k*T_i(k) / L"
+PROMPT_SLOT_TOKENS = 2048  # the paper's vLLM settings: prompt_max_tokens = whole prompts per iteration x this
+DECODE_CONTEXT_PER_SLOT = 1000.0  # ... and decodes' contexts summed per iteration <= decode_max_tokens x this
+HOST_COPY_GB_PER_S = (4.0, 5.0)  # received bytes are copied once at each rate (concatenated, then to the GPU)
+
+
+def prompts_per_iteration(prompt_max_tokens: float, slot_tokens: int | None = PROMPT_SLOT_TOKENS) -> int | None:
+    """Whole prompts one iteration may carry: ``prompt_max_tokens // slot_tokens``, at least 1
+    (None: ``slot_tokens`` is None, only the token limit applies)."""
+    return None if slot_tokens is None else max(1, int(prompt_max_tokens) // slot_tokens)
+
+
+def host_copy_s_per_byte(rates_gb_per_s: Sequence[float] = HOST_COPY_GB_PER_S) -> float:
+    """Seconds to copy one received byte to the GPU: once at each rate (``()``: free)."""
+    return sum(1.0 / (rate * 1e9) for rate in rates_gb_per_s)
 
 
 class CostCurve:

@@ -16,6 +16,13 @@ utilisation), i.e. every node works and none is favoured. A 1e-6 weight on every
 on them) do not depend on the solver's path. With a ``deadline`` the QP gets only the time
 left; if it does not finish, :func:`balance` says so (None) and :func:`balanced_flows` falls
 back to networkx's (unbalanced) maximum flow.
+
+:func:`judge_flows` gives the flows the Helix paper's simulator routes by instead (issue 21's
+judge): it ignores a plan's flows, recomputes a max flow with networkx's default algorithm
+(preflow-push, :func:`planner.graph.evaluate`) and drops every hop that carries under
+:data:`JUDGE_MIN_SHARE` of its vertex's out-flow. Where a placement has slack, that flow leaves
+parallel nodes idle; the serving objective scores a placement under both (``planner.local_search``),
+and the simulator routes by it with ``SimConfig.flows = "judge"``.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import networkx as nx
 
 from helix.errors import HelixError
 from helix.plan import FLOW_TOLERANCE, FlowEdge
+from planner import graph
 from planner.budget import Deadline
 from planner.graph import (
     SINK,
@@ -38,6 +46,19 @@ from planner.graph import (
 from planner.highs_model import Model
 
 QP_ITERATIONS_PER_COLUMN = 20  # converged cases take ~1 iteration per column
+JUDGE_MIN_SHARE = 0.05  # the paper's scheduler masks a hop with less than this share of its vertex's out-flow
+
+
+def judge_flows(cap: CapacityModel, placement: Placement, *, partial_handoffs: bool = True) -> dict[tuple[str, str], float]:
+    """The hops the paper's simulator routes over, with their flows (tok/s): a preflow-push max
+    flow of ``placement`` (any plan's own flows ignored), less every hop under
+    :data:`JUDGE_MIN_SHARE` of its vertex's out-flow (module docstring)."""
+    result = graph.evaluate(cap, placement, partial_handoffs=partial_handoffs, with_cut=False)
+    flows = {(e.src, e.dst): e.tok_s for e in result.flows if e.tok_s > 0}
+    out: dict[str, float] = {}
+    for (src, _), f in flows.items():
+        out[src] = out.get(src, 0.0) + f
+    return {(src, dst): f for (src, dst), f in flows.items() if f >= JUDGE_MIN_SHARE * out[src]}
 
 
 def balanced_flows(

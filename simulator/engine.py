@@ -61,6 +61,7 @@ from collections.abc import Callable
 import numpy as np
 
 from helix.errors import ConfigError, NoRouteError
+from helix.perf_model import host_copy_s_per_byte, prompts_per_iteration
 from helix.plan import Plan
 from helix.profile import ProfileSet
 from helix.spec import ClusterSpec
@@ -122,7 +123,7 @@ class Simulation:
         self.act_bytes = model.activation_bytes_per_token
         self.tok_bytes = model.token_bytes
         # the paper simulator's host copy: every received byte is copied once at each rate (concat, then to the GPU)
-        self.copy_s_per_byte = sum(1.0 / (rate * 1e9) for rate in config.host_copy_gb_per_s)
+        self.copy_s_per_byte = host_copy_s_per_byte(config.host_copy_gb_per_s)
         self.coord = cluster.coordinator.id
         if config.flows == "judge":
             base = judge_router(plan, cluster, profiles, watermark=config.watermark,
@@ -153,7 +154,7 @@ class Simulation:
             cap = base.kv.nodes[nid].capacity if nid in base.kv.nodes else math.inf
             slot, per_slot = config.prompt_slot_tokens, config.decode_context_per_slot
             self.nodes[nid] = SimNode(nid, s, e, cap, curves, pmax, dmax, last=e == self.num_layers,
-                                      pcount=None if slot is None else max(1, pmax // slot),
+                                      pcount=prompts_per_iteration(pmax, slot),
                                       dctx=None if per_slot is None else dmax * per_slot)  # fmt: skip
         initial = {n.id: n.k * n.curves.decode_ms(1) / 1000.0 for n in self.nodes.values()}
         self.router, self.swarm = make_router(

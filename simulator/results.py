@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from helix.perf_model import DECODE_CONTEXT_PER_SLOT, HOST_COPY_GB_PER_S, PROMPT_SLOT_TOKENS
 from simulator.workload import RequestSpec
 
 
@@ -37,9 +38,9 @@ class SimConfig:
     # the paper simulator's mechanisms we believe for a real GPU cluster (issue 21, docs/simulator.md), on by
     # default; LEGACY_MECHANISMS turns every one off (the figures before issue 21)
     decode_floor: bool = True  # a decode below the smallest measured batch costs that batch (helix.perf_model)
-    prompt_slot_tokens: int | None = 2048  # whole prompts per iteration <= prompt_max_tokens // this; None: any
-    decode_context_per_slot: float | None = 1000.0  # decodes' contexts summed <= decode_max_tokens x this; None: any
-    host_copy_gb_per_s: tuple[float, ...] = (4.0, 5.0)  # received bytes are copied once at each rate; (): free
+    prompt_slot_tokens: int | None = PROMPT_SLOT_TOKENS  # whole prompts per iteration <= prompt_max_tokens // this; None: any
+    decode_context_per_slot: float | None = DECODE_CONTEXT_PER_SLOT  # decodes' contexts summed <= decode_max_tokens x this; None: any
+    host_copy_gb_per_s: tuple[float, ...] = HOST_COPY_GB_PER_S  # received bytes are copied once at each rate; (): free
     # routing weights: "plan" = the plan's flows; "judge" = the paper simulator's (networkx max flow recomputed on
     # the placement, hops under 5 % of their vertex's out-flow dropped): to score a plan as the judge would
     flows: str = "plan"

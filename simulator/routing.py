@@ -37,22 +37,18 @@ from router.policy import Router, kv_capacity_from_profiles
 ROUTERS = ("iwrr", "random", "shortest-queue", "swarm")
 FLOWS = ("plan", "judge")
 SWARM_EMA_ALPHA = 0.1
-JUDGE_MIN_SHARE = 0.05  # the paper's scheduler masks a hop with less than this share of its vertex's out-flow
 
 
 def judge_flows(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet) -> dict[tuple[str, str], float]:
     """The hops the paper's simulator routes over, with their flows (tok/s): a preflow-push max
     flow of ``plan``'s placement (``plan.flows`` ignored), less every hop under
-    :data:`JUDGE_MIN_SHARE` of its vertex's out-flow."""
-    from planner.graph import CapacityModel, evaluate
+    :data:`planner.flows.JUDGE_MIN_SHARE` of its vertex's out-flow (:func:`planner.flows.judge_flows`, which the
+    planner's serving objective scores placements with too)."""
+    from planner import flows
+    from planner.graph import CapacityModel
 
-    result = evaluate(CapacityModel.build(cluster, profiles), dict(plan.placement),
-                      partial_handoffs=plan.partial_handoffs, with_cut=False)  # fmt: skip
-    flows = {(e.src, e.dst): e.tok_s for e in result.flows if e.tok_s > 0}
-    out: dict[str, float] = {}
-    for (src, _), f in flows.items():
-        out[src] = out.get(src, 0.0) + f
-    return {(src, dst): f for (src, dst), f in flows.items() if f >= JUDGE_MIN_SHARE * out[src]}
+    return flows.judge_flows(CapacityModel.build(cluster, profiles), dict(plan.placement),
+                             partial_handoffs=plan.partial_handoffs)  # fmt: skip
 
 
 def judge_router(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet, *, watermark: float,
