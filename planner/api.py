@@ -268,16 +268,25 @@ def _check_placement(cap: CapacityModel, placement: Placement, *, source: str) -
             raise ConfigError(f"range [{s}, {e}) is not valid for this node", source=source, field=f"placement.{node}")
 
 
-def serving_estimate(cluster: ClusterSpec, profiles: ProfileSet, plan: Plan) -> float | None:
-    """Decode tokens/s the optimizer's serving model estimates for a plan (None if unavailable)."""
+def serving_estimate(cluster: ClusterSpec, profiles: ProfileSet, plan: Plan, *, flows: str = "plan") -> float | None:
+    """Decode tokens/s the optimizer's serving model estimates for a plan (None if unavailable),
+    routed by the plan's flows (``flows="plan"``) or by the flows the paper's simulator
+    recomputes (``"judge"``: :func:`planner.flows.judge_flows`)."""
     try:
+        from planner.flows import judge_flows
         from planner.instance import Instance
         from planner.serving_model import ServingModel
     except ImportError:
         return None
-    flows = {(e.src, e.dst): e.tok_s for e in plan.flows}
+    if flows not in ("plan", "judge"):
+        raise ConfigError(f"unknown flows {flows!r} (plan or judge)", field="flows")
     try:
-        est = ServingModel(Instance.build(cluster, profiles)).estimate(dict(plan.placement), flows, plan.max_flow_tok_s)
+        inst = Instance.build(cluster, profiles)
+        if flows == "judge":
+            routed = judge_flows(inst.cap, dict(plan.placement), partial_handoffs=plan.partial_handoffs)
+        else:
+            routed = {(e.src, e.dst): e.tok_s for e in plan.flows}
+        est = ServingModel(inst).estimate(dict(plan.placement), routed, plan.max_flow_tok_s)
     except Exception:  # noqa: BLE001 - an estimate beside the table, never a reason to fail
         return None
     return float(est.decode_tok_s)

@@ -8,7 +8,8 @@ inner loops never touch pydantic objects:
   ``kv_entries[k-1]`` (KV entries - one token in one layer - that fit next to ``k`` layers;
   from ``kv_capacity_tokens_by_layers`` or, when absent, from VRAM minus weights) and the
   latency curves when the profile has both per-layer ones (``curves``, read by
-  :mod:`helix.perf_model`, with the optional per-step costs and context cost);
+  :mod:`helix.perf_model`, with the optional per-step costs and context cost) and the batch
+  limits of one iteration (``decode_max_batch``, ``prompt_max_tokens``);
 * per node: its GPU type and region; per directed link: tokens/s and latency.
 
 ``coverage`` is the network-free relaxation used throughout: the tokens/s each layer gets
@@ -39,6 +40,7 @@ class GpuType:
     kv_entries: list[float]
     curves: NodeCurves | None  # None: the profile gives tok_s without both per-layer curves
     decode_max_batch: list[int] | None
+    prompt_max_tokens: list[int] | None = None  # prompt tokens one iteration may carry, by layers held
 
 
 @dataclass(slots=True)
@@ -78,6 +80,7 @@ class Instance:
                 kv_entries=kv[:top],
                 curves=tp.curves(),
                 decode_max_batch=list(tp.decode_max_tokens_by_layers[:top]) if tp.decode_max_tokens_by_layers else None,
+                prompt_max_tokens=list(tp.prompt_max_tokens_by_layers[:top]) if tp.prompt_max_tokens_by_layers else None,
             )
         inst = cls(
             cap=cap,

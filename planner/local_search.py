@@ -8,7 +8,12 @@
   hand-offs are partial the coverage minimum *is* the max flow (module ``instance``), so the
   search runs on coverage and the result is re-checked exactly;
 * ``serving``: the serving estimate (``planner.serving_model``) on the exact max-flow
-  solution, ties broken by max flow.
+  solution, ties broken by max flow. The estimate is taken twice: routed by the balanced
+  flows the plan will carry (``planner.flows.balanced_flows``, what our router does) and by
+  the flows the paper's simulator recomputes (``planner.flows.judge_flows``: preflow-push,
+  hops under 5 % dropped, which leaves the parallel nodes a max flow does not need idle); the
+  score is the lower of the two (``judge_flows=True``, the default), so a placement wins only
+  if it serves well whichever way a router following a max flow splits it.
 
 :func:`improve` is an iterated local search: node moves (shift, grow/shrink one end, copy
 another node's range, swap two nodes' ranges), steered at the bottleneck layers, first
@@ -23,7 +28,7 @@ from dataclasses import dataclass, field, replace
 
 from helix.plan import FlowEdge
 from planner.budget import Deadline
-from planner.flows import balanced_flows
+from planner.flows import balanced_flows, judge_flows
 from planner.graph import max_flow_value
 from planner.instance import Instance, Placement
 from planner.serving_model import ServingEstimate, ServingModel
@@ -37,8 +42,9 @@ class Scored:
     placement: Placement
     key: Key
     max_flow: float
-    serving: ServingEstimate | None = None
+    serving: ServingEstimate | None = None  # routed by the balanced flows
     flows: list[FlowEdge] | None = None  # the balanced flows the serving estimate used (not cached)
+    judged: ServingEstimate | None = None  # routed by the judge's flows (Evaluator.judge_flows)
 
 
 @dataclass(slots=True)
@@ -51,6 +57,7 @@ class Evaluator:
     cache: dict[frozenset, Scored] = field(default_factory=dict)
     coverage_exact: bool = False
     deadline: Deadline | None = None  # the serving evaluation's QP/LP get at most the time left
+    judge_flows: bool = True  # serving: score the lower of the estimates under balanced and judge flows
 
     def __post_init__(self) -> None:
         self.coverage_exact = self.partial_handoffs and self.inst.links_uniform() and self.objective == "max-flow"
@@ -83,7 +90,14 @@ class Evaluator:
             flows = {(e.src, e.dst): e.tok_s for e in edges}
             assert self.serving_model is not None
             est = self.serving_model.estimate(pl, flows, value, deadline=self.deadline)
-            out = Scored(dict(pl), (round(est.decode_tok_s, 3), round(value, 6), -tight), value, est, edges)
+            judged = None
+            decode = est.decode_tok_s
+            if self.judge_flows:
+                routed = judge_flows(self.inst.cap, pl, partial_handoffs=self.partial_handoffs)
+                judged = self.serving_model.estimate(pl, routed, value, deadline=self.deadline)
+                decode = min(decode, judged.decode_tok_s)
+            out = Scored(dict(pl), (round(decode, 3), round(est.decode_tok_s, 3), round(value, 6), -tight), value, est,
+                         edges, judged)
         if len(self.cache) > 200_000:
             self.cache.clear()
         self.cache[k] = replace(out, flows=None) if out.flows is not None else out

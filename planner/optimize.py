@@ -9,7 +9,9 @@ The paper's MILP is weak for open-source solvers; we split the work (docs/planne
    max flow of any placement (2045.64 tok/s on single24, vs. the network-free 2803.86).
 3. **Polish** (``planner.local_search``): iterated local search, every move judged by the
    exact max flow (``planner.graph``) or, for ``objective="serving"``, by the serving
-   estimate (``planner.serving_model``) computed on the exact max-flow solution.
+   estimate (``planner.serving_model``) computed on the exact max-flow solution: the lower of
+   the estimates under the plan's balanced flows and under the flows the paper's simulator
+   recomputes (``planner.flows.judge_flows``; ``score["judge_decode_tok_s"]``).
 
 One :class:`~planner.budget.Deadline` bounds the whole call: every phase (each MILP, the
 serving evaluation's QP/LP, the bound, the search) gets at most the time left, and
@@ -342,6 +344,9 @@ def _finish(
                 round_trip_ms=est.mean_round_trip_ms,
                 mean_hops=est.mean_hops,
             )
+        judged = best.judged if best.serving is not None else ev.score(best.placement).judged
+        if judged is not None:
+            score["judge_decode_tok_s"] = judged.decode_tok_s
     flows = best.flows
     if flows is None or abs(sum(e.tok_s for e in flows if e.src == inst.coordinator) - mf) > 1e-6 * max(1.0, mf):
         got = balance(inst.cap, best.placement, partial_handoffs=flow_ev.partial_handoffs, value=mf, deadline=deadline)

@@ -160,11 +160,14 @@ def test_planner_and_simulator_price_one_iteration_alike() -> None:
     sim = Simulation(cluster, profiles, plan, SimConfig(mode="online", num_requests=1))
     workload = Workload(prompt_tokens=100.0, output_tokens=40.0, mixed_batches=True)
     planner = ServingModel(Instance.build(cluster, profiles), workload)
-    # 8 decodes at the workload's mean context with its share of prompt tokens (8 x 100 / 40 = 20)
+    # 8 decodes at the workload's mean context with its share of prompt tokens (8 x 100 / 40 = 20), which the
+    # planner prices as 20 / 100 of a whole 100-token prompt, as the simulator prices a prompt
     context = 8 * (100 + 40 / 2)
+    curves = sim.nodes["n0"].curves
+    riding_as_prompts = 2 * (20 / 100 * curves.prefill.at(100) - curves.prefill.at(20))
     for node, last in (("n0", False), ("n1", True)):
         simulated = sim.nodes[node].iteration_ms({0 if node == "n0" else 2: [20, 8, int(context)]}, 8)
-        assert planner.decode_s(node, 2, 8.0, last=last) == pytest.approx(simulated / 1000)
+        assert planner.decode_s(node, 2, 8.0, last=last) == pytest.approx((simulated + riding_as_prompts) / 1000)
     # below both curves' first points (10 prompt tokens, flat at 16's cost) and a prompt alone
     assert sim.nodes["n0"].iteration_ms({0: [10, 0, 0]}, 1) == pytest.approx(2 * 0.4 + 1.0 + 1.0 * 9 / 255)
     prompt_alone = sim.nodes["n1"].iteration_ms({2: [100, 0, 0]}, 1)
