@@ -9,7 +9,7 @@ The paper's MILP is weak for open-source solvers; we split the work (docs/planne
    max flow of any placement (2045.64 tok/s on single24, vs. the network-free 2803.86).
 3. **Polish** (``planner.local_search``): iterated local search, every move judged by the
    exact max flow (``planner.graph``) or, for ``objective="serving"``, by the serving
-   estimate (``planner.serving_model``) computed on the exact max-flow solution: the lower of
+   estimate (``planner.serving_model``) computed on the exact max-flow solution: the mean of
    the estimates under the plan's balanced flows and under the flows the paper's simulator
    recomputes (``planner.flows.judge_flows``; ``score["judge_decode_tok_s"]``).
 
