@@ -16,7 +16,7 @@ from typing import Any
 from helix.errors import ConfigError
 
 CONTROL_TOKEN_TYPE = 3
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # what write_tokenizer_files writes
 
 
 def write_tokenizer_files(gguf_path: str | Path, out_dir: str | Path) -> Path:
@@ -42,7 +42,7 @@ def write_tokenizer_files(gguf_path: str | Path, out_dir: str | Path) -> Path:
                             for i, t in enumerate(types) if int(t) == CONTROL_TOKEN_TYPE])
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out / "tokenizer.json"))
+    tok.save(str(out / TOKENIZER_FILES[0]))
 
     def name(key: str) -> str | None:
         idx = meta.get(f"tokenizer.ggml.{key}_token_id")
@@ -51,5 +51,5 @@ def write_tokenizer_files(gguf_path: str | Path, out_dir: str | Path) -> Path:
     config = {"chat_template": meta.get("tokenizer.chat_template"), "bos_token": name("bos"),
               "eos_token": name("eos"), "pad_token": name("padding"), "unk_token": name("unknown"),
               "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False))}
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    (out / TOKENIZER_FILES[1]).write_text(json.dumps(config, indent=2))
     return out

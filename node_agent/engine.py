@@ -278,8 +278,7 @@ class StageEngine:
             heads = [self._requests[o.request_id].task for o in to_sample]
             tasks = TaskRows.group(((t, slice(i, i + 1)) for i, t in enumerate(heads)), hidden.device) \
                 if any(t is not None and t.has_head_bias for t in heads) else None
-            logits = self.model.logits(hidden[sample_rows], tasks) if tasks is not None \
-                else self.model.logits(hidden[sample_rows])
+            logits = self.model.logits(hidden[sample_rows], tasks)
             for out, row in zip(to_sample, logits, strict=True):
                 req = self._requests[out.request_id]
                 assert req.sampler is not None

@@ -145,4 +145,3 @@ def cached_model_dir(gguf_path: str | Path | None = None, cache_root: str | Path
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
-

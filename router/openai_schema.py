@@ -41,15 +41,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    PrivateAttr,
-    ValidationInfo,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from helix.wire import MAX_LOGIT_BIAS, MAX_PENALTY
 from router.structured_output import json_object_grammar, json_schema_grammar
@@ -221,19 +213,18 @@ class JsonSchemaSpec(BaseModel):
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
-    _grammar: str = PrivateAttr(default="")
 
     @field_validator("schema_")
     @classmethod
     def _enforceable(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
         if v is not None:
-            json_schema_grammar(v)  # a SchemaError (a ValueError) says what cannot be enforced; cached for _compile
+            json_schema_grammar(v)  # a SchemaError (a ValueError) says what cannot be enforced; the grammar is cached
         return v
 
-    @model_validator(mode="after")
-    def _compile(self) -> JsonSchemaSpec:
-        self._grammar = json_object_grammar() if self.schema_ is None else json_schema_grammar(self.schema_)
-        return self
+    @property
+    def grammar(self) -> str:
+        """The llguidance grammar of ``schema`` (any JSON object without one)."""
+        return json_object_grammar() if self.schema_ is None else json_schema_grammar(self.schema_)
 
 
 class ResponseFormat(BaseModel):
@@ -259,7 +250,7 @@ class ResponseFormat(BaseModel):
         if self.type == "json_object":
             return json_object_grammar()
         if self.json_schema is not None:
-            return self.json_schema._grammar
+            return self.json_schema.grammar
         return ""
 
 

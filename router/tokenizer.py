@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from helix.errors import ConfigError
-from helix.gguf_tokenizer import write_tokenizer_files
+from helix.gguf_tokenizer import TOKENIZER_FILES, write_tokenizer_files
 from helix.smollm2 import CACHE_ROOT as DEFAULT_CACHE_ROOT
 from helix.smollm2 import smollm2_gguf_path
 
@@ -34,7 +34,7 @@ def default_model_dir() -> Path:
 def ensure_tokenizer_dir(model_dir: str | Path | None, gguf_path: str | Path | None = None) -> Path:
     """A dir holding the tokenizer files: ``model_dir`` if complete, else written from the GGUF."""
     target = Path(model_dir) if model_dir else default_model_dir()
-    if (target / "tokenizer.json").is_file() and (target / "tokenizer_config.json").is_file():
+    if all((target / name).is_file() for name in TOKENIZER_FILES):
         return target
     gguf = Path(gguf_path) if gguf_path else smollm2_gguf_path()
     return write_tokenizer_files(gguf, target)
