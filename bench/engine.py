@@ -19,8 +19,9 @@ taken within a round, the verdict on the median of the rounds with how many roun
    requests join an empty batch: their prompts are prefilled together, then decoded together
    until the last one finishes; as Orca §2 describes it, it returns a batch's results when its
    last request is done (the same run is also scored with each result returned as soon as it is
-   done). Both are swept over the same arrival rates (fractions of a service rate μ calibrated
-   once per invocation). The figure is throughput at equal median normalized latency (latency /
+   done). Both are swept over arrival rates (fractions of a service rate μ calibrated once per
+   invocation): iteration-level at the loads the figure is about (0.5-0.7 μ), the baseline at the
+   lower loads where its latency reaches iteration-level's there (0.15-0.55 μ). The figure is throughput at equal median normalized latency (latency /
    output tokens): for each iteration-level load (rate r, median latency L), the rate r' at which
    the baseline's curve reaches L, linearly interpolated between its two measured rates around
    L; ratio r / r', per round. The baseline's curve starts at rate 0, where each request runs alone
@@ -234,18 +235,28 @@ def _timed_step(engine: StageEngine) -> float:
 
 
 def calibrate(model_dir: Path, mix: OrcaMix) -> Calibration:
-    """Time real steps of one engine: a mean-length prefill, then decode steps at batch 1 and 16."""
+    """Time real steps of warm engines: a mean-length prefill, then decode steps at batch 1 and 16.
+
+    Each figure is the median of three steps after a warm-up step: an engine's first step pays
+    one-off costs (kernel primitives, allocations) that moved μ by ~12 % between two runs when
+    the prefill was timed once, cold."""
     rng = random.Random(1)
     sched = SchedulerConfig(max_batch_size=16, token_budget=16 * 1024, chunk_size=None)
     engine = make_engine(model_dir, sched)
-    engine.add_request("p", SamplingParams(max_tokens=64), prompt_token_ids=prompt(rng, mix.mean_prompt))
-    prefill_s = _timed_step(engine)
-    decode1_s = min(_timed_step(engine) for _ in range(3))
+    prefills = []
+    for i in range(4):  # the first is the warm-up
+        engine.add_request(f"p{i}", SamplingParams(max_tokens=1), prompt_token_ids=prompt(rng, mix.mean_prompt))
+        prefills.append(_timed_step(engine))
+    prefill_s = statistics.median(prefills[1:])
+    engine.add_request("d", SamplingParams(max_tokens=64), prompt_token_ids=prompt(rng, 64))
+    engine.step()
+    decode1_s = statistics.median(_timed_step(engine) for _ in range(3))
     engine = make_engine(model_dir, sched)
     for i in range(16):
         engine.add_request(f"d{i}", SamplingParams(max_tokens=64), prompt_token_ids=prompt(rng, 64))
     engine.step()  # the 16 prompts, prefilled together
-    decode16_s = min(_timed_step(engine) for _ in range(3))
+    engine.step()  # warm-up at batch 16
+    decode16_s = statistics.median(_timed_step(engine) for _ in range(3))
     return Calibration(prefill_s, decode1_s, decode16_s, mix)
 
 
@@ -274,14 +285,21 @@ def equal_latency_ratios(it_curve: list[tuple[float, float]],
 
 
 MAX_BATCH = 16
-ORCA_RUNS = {"iteration": False, "request-level": True}  # scheduling runs: label -> request_level
+ITERATION, REQUEST = "iteration", "request-level"  # the two schedulers
+ORCA_RUNS = {ITERATION: False, REQUEST: True}  # scheduling runs: label -> request_level
 BASELINES = {  # how the request-level run is scored: label -> results returned only at batch end
     "request, batch-end": True,  # Orca's baseline: a batch's results come back together
     "request, early": False,  # each result as soon as it is done
 }
-ORCA_REQUESTS = 14  # per run (per load, mode and round); --orca-requests
-ORCA_LOADS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7)  # x the calibrated service rate; --orca-loads
-ORCA_ROUNDS = 3  # each ~15 min on the shared 2-core box with 14 requests; a fresh request sample per round
+ORCA_REQUESTS = 28  # per run (per load, scheduler and round); --orca-requests
+# Where each curve is measured, x the calibrated service rate μ. Iteration-level at the loads the
+# figure is about (--orca-loads), the baseline where its latency reaches iteration-level's there
+# (--orca-base-loads): at 0.5-0.7 μ iteration-level's median latency equals the baseline's at
+# ~0.2-0.5 μ. Below ~0.4 μ both curves are flat near each request's latency alone, so equal
+# latency is ill-conditioned there (single rounds ranged 0.7-10x with 14 requests): not a headline.
+ORCA_LOADS = (0.5, 0.6, 0.7)
+ORCA_BASE_LOADS = (0.15, 0.25, 0.35, 0.45, 0.55)
+ORCA_ROUNDS = 3  # a fresh request sample per round
 ALONE = 0.0  # the load at which each request runs alone: the baseline's curve starts there (rate 0)
 ORCA_TARGET = Target(">=", 2.0)
 
@@ -301,14 +319,19 @@ def _vs(base: str, load: float) -> str:
     return f"iteration ÷ {base} @{load:.2f}μ"
 
 
-def orca_round(model_dir: Path, log: RoundLog, r: int, n: int, loads: list[float], mu: float, mix: OrcaMix,
-               progress: Progress, task: TaskID) -> None:
-    """One round: every (load, scheduler) run on a fresh request sample (seed ``r``), interleaved;
-    each scheduler's capacity; the round's equal-latency ratios per load."""
-    arms = [(None, run) for run in ORCA_RUNS] + [(ALONE, "request-level")]
-    arms += [(load, run) for load in loads for run in ORCA_RUNS]
+def orca_arms(loads: list[float], base_loads: list[float]) -> list[tuple[float | None, str]]:
+    """Every run of a round, (load or None for capacity, scheduler), ordered by load so that
+    forward and reversed rounds interleave the two schedulers' curves."""
+    runs = [(load, ITERATION) for load in loads] + [(load, REQUEST) for load in (ALONE, *base_loads)]
+    return [(None, ITERATION), (None, REQUEST), *sorted(runs)]
+
+
+def orca_round(model_dir: Path, log: RoundLog, r: int, n: int, loads: list[float], base_loads: list[float],
+               mu: float, mix: OrcaMix, progress: Progress, task: TaskID) -> None:
+    """One round: every run on a fresh request sample (seed ``r``), interleaved; each scheduler's
+    capacity; the round's equal-latency ratios at each iteration-level load."""
     latency: dict[tuple[str, float], float] = {}
-    for load, run in arm_order(arms, r):
+    for load, run in arm_order(orca_arms(loads, base_loads), r):
         # None: all requests at t = 0 (the scheduler's capacity); ALONE: so far apart that each runs alone
         rate = 1e6 if load is None else 1e-4 * mu if load == ALONE else load * mu
         trace = run_trace(make_engine(model_dir, orca_sched(mix, ORCA_RUNS[run])), orca_workload(n, rate, r, mix),
@@ -329,14 +352,14 @@ def orca_round(model_dir: Path, log: RoundLog, r: int, n: int, loads: list[float
             log.record(r, _lat(mode, load), median, "s/token")
     log.ratio("capacity ratio", "capacity, iteration", "capacity, request-level")
     for base in BASELINES:
-        it_curve = [(load * mu, latency[("iteration", load)]) for load in loads]
-        base_curve = [(load * mu, latency[(base, load)]) for load in (ALONE, *loads)]  # anchored at rate 0
+        it_curve = [(load * mu, latency[(ITERATION, load)]) for load in loads]
+        base_curve = [(load * mu, latency[(base, load)]) for load in (ALONE, *base_loads)]  # anchored at rate 0
         ratios = equal_latency_ratios(it_curve, base_curve)
         for load, (_, _, x) in zip(loads, ratios, strict=True):
             log.record(r, _vs(base, load), x, "×")
     progress.console.print(f"  round {r + 1}: " + "  ".join(
-        f"{load:.2f}μ {format_value(math.nan if (x := log.rounds[r][_vs('request, batch-end', load)]) is None else x, '×')}"
-        for load in loads))
+        f"{load:.2f}μ {format_value(math.nan if (x := log.rounds[r][_vs(base, load)]) is None else x, '×')}"
+        for base in BASELINES for load in loads))
 
 
 def headline_load(log: RoundLog, loads: list[float], mu: float) -> float | None:
@@ -355,57 +378,71 @@ def headline_load(log: RoundLog, loads: list[float], mu: float) -> float | None:
 
 def iteration_vs_request(model_dir: Path, quick: bool, rounds: int | None, progress: Progress,
                          requests: int = ORCA_REQUESTS, loads: tuple[float, ...] = ORCA_LOADS,
-                         mix: OrcaMix = OrcaMix()) -> list[Any]:
+                         base_loads: tuple[float, ...] = ORCA_BASE_LOADS, mix: OrcaMix = OrcaMix()) -> list[Any]:
     n = 6 if quick else requests
-    load_list = [0.15, 0.35, 0.55] if quick else sorted(loads)
+    load_list = [0.5, 0.7] if quick else sorted(loads)
+    base_list = [0.2, 0.4, 0.6] if quick else sorted(base_loads)
     rounds = rounds or (1 if quick else ORCA_ROUNDS)
     calib = calibrate(model_dir, mix)  # once: every round offers the same rates
     mu = calib.service_rate
-    task = progress.add_task("Orca workload", total=rounds * n * (len(ORCA_RUNS) * (len(load_list) + 1) + 1))
+    task = progress.add_task("Orca workload", total=rounds * n * len(orca_arms(load_list, base_list)))
     log = RoundLog()
     for r in log.each_round(rounds, lambda text: progress.update(task, description=f"Orca workload, {text}")):
-        orca_round(model_dir, log, r, n, load_list, mu, mix, progress, task)
+        orca_round(model_dir, log, r, n, load_list, base_list, mu, mix, progress, task)
     head = headline_load(log, load_list, mu)
     title = (f"1. Iteration-level vs request-level batching ({mix.describe()}, {n} requests per run, {rounds} "
              f"round(s) with fresh requests, max batch {MAX_BATCH}, unchunked, calibrated μ ≈ {mu:.2f} req/s): "
              "medians over the rounds (min–max)")
     table = Table(title=title)
-    for col in ("load", "offered req/s", "iteration s/token", "batch-end s/token", "early s/token",
-                "iteration ÷ batch-end", f"rounds {ORCA_TARGET}", "iteration ÷ early", "mean batch it / req"):
+    for col in ("iteration load", "offered req/s", "iteration s/token", "mean batch", "iteration ÷ batch-end",
+                f"rounds {ORCA_TARGET}", "iteration ÷ early", f"rounds {ORCA_TARGET}"):
         table.add_column(col, justify="right")
     capacity = log.spread("capacity, iteration").median
+
+    def passing(base: str, load: float) -> tuple[str, str]:
+        v = log.verdict(_vs(base, load), ORCA_TARGET)
+        return (v.spread.describe("×"),
+                f"{v.passing}/{rounds}" + (f" ({v.spread.missing} —)" if v.spread.missing else ""))
+
     for load in load_list:
         over = "*" if load * mu >= capacity else ""
-        be, early = log.verdict(_vs("request, batch-end", load), ORCA_TARGET), log.spread(_vs("request, early", load))
-        table.add_row(f"{load:.2f}{over}", f"{load * mu:.3f}",
-                      *(log.spread(_lat(m, load)).describe() for m in ("iteration", *BASELINES)),
-                      be.spread.describe("×"), f"{be.passing}/{rounds}" + (f" ({be.spread.missing} —)" if be.spread.missing else ""),
-                      early.describe("×"),
-                      f"{log.spread(f'mean batch, iteration @{load:.2f}μ').median:.1f} / "
-                      f"{log.spread(f'mean batch, request-level @{load:.2f}μ').median:.1f}")
-    share = {run: [v for load in load_list for v in log.spread(f"prefill share of busy s, {run} @{load:.2f}μ").values]
+        table.add_row(f"{load:.2f}{over}", f"{load * mu:.3f}", log.spread(_lat(ITERATION, load)).describe(),
+                      f"{log.spread(f'mean batch, {ITERATION} @{load:.2f}μ').median:.1f}",
+                      *passing("request, batch-end", load), *passing("request, early", load))
+    base_table = Table(title="the baseline's curve (request-level), medians over the rounds (min–max)")
+    for col in ("baseline load", "offered req/s", "batch-end s/token", "early s/token", "mean batch"):
+        base_table.add_column(col, justify="right")
+    base_table.add_row("alone", "→ 0", log.spread("latency, each request alone").describe(), "(same)", "1.0")
+    for load in base_list:
+        base_table.add_row(f"{load:.2f}", f"{load * mu:.3f}",
+                           *(log.spread(_lat(m, load)).describe() for m in BASELINES),
+                           f"{log.spread(f'mean batch, {REQUEST} @{load:.2f}μ').median:.1f}")
+    share = {run: [v for load in (load_list if run == ITERATION else base_list)
+                   for v in log.spread(f"prefill share of busy s, {run} @{load:.2f}μ").values]
              for run in ORCA_RUNS}
     table.caption = "\n".join([
         "throughput at equal median normalized latency: for each iteration-level load (rate r, latency L) the rate r' "
-        "at which the baseline's curve reaches L, per round; ratio r / r' (— where the baseline's curve does not span L); "
-        "the baseline's curve starts at rate 0 with the latency of each request run alone "
-        f"({log.spread('latency, each request alone').describe('s/token')}); "
-        "* = offered load at or over iteration-level's median capacity (no steady state: never the headline)",
+        "at which the baseline's curve (below) reaches L, per round; ratio r / r' (— where the baseline's curve "
+        "does not span L); * = offered load at or over iteration-level's median capacity (no steady state: "
+        "never the headline)",
         f"capacity (all {n} requests at t = 0): iteration {log.spread('capacity, iteration').describe('req/s')}, "
         f"request-level {log.spread('capacity, request-level').describe('req/s')}, "
         f"ratio {log.spread('capacity ratio').describe('×')}",
         "prefill share of busy CPU time: " + ", ".join(f"{run} {min(v):.0f}–{max(v):.0f}%" for run, v in share.items()),
         calib.describe()])
-    out: list[Any] = [table]
-    holds = [f"{load:.2f}μ" for load in load_list
-             if log.verdict(_vs("request, batch-end", load), ORCA_TARGET).passed and load * mu < capacity]
+    out: list[Any] = [table, base_table]
     if head is None:
         out.append("[red]no load below iteration-level's capacity has a defined ratio: no headline[/]")
     else:
         for base in BASELINES:
             v = log.verdict(_vs(base, head), ORCA_TARGET)
-            out.append(verdict_markup(v, f"headline (top load below capacity, {head * mu:.3f} req/s) "))
-    out.append(f"median ratio vs batch-end {ORCA_TARGET} at: {', '.join(holds) or 'no load'} (of {len(load_list)} loads)")
+            out.append(verdict_markup(v, f"headline (top load below capacity, {head * mu:.3f} req/s = "
+                                         f"{100 * head * mu / capacity:.0f} % of capacity) "))
+    for base in BASELINES:
+        holds = [f"{load:.2f}μ" for load in load_list
+                 if log.verdict(_vs(base, load), ORCA_TARGET).passed and load * mu < capacity]
+        out.append(f"median ratio vs {base} {ORCA_TARGET} at: {', '.join(holds) or 'no load'} "
+                   f"(of {len(load_list)} loads)")
     out.append(f"[dim]{log.timing_line()}[/]")
     return out
 
@@ -498,15 +535,18 @@ def _loads(text: str) -> tuple[float, ...]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smoke run: 6 requests per run, 3 loads, 1 round")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 6 requests per run, 2 + 3 loads, 1 round")
     parser.add_argument("--only", choices=sorted(SECTIONS), action="append", help="run only these sections")
     add_rounds_option(parser, None, f"each section its own — iteration-vs-request {ORCA_ROUNDS}, "
                                     f"chunked-prefill {CHUNK_ROUNDS}, agents-vs-one-process and vllm theirs")
     parser.add_argument("--orca-requests", type=int, default=ORCA_REQUESTS,
                         help=f"requests per run in section 1 (default {ORCA_REQUESTS}; time grows in proportion)")
     parser.add_argument("--orca-loads", type=_loads, default=ORCA_LOADS, metavar="L1,L2,...",
-                        help="section 1's loads, fractions of the calibrated service rate μ "
+                        help="section 1's iteration-level loads, fractions of the calibrated service rate μ "
                              f"(default {','.join(map(str, ORCA_LOADS))})")
+    parser.add_argument("--orca-base-loads", type=_loads, default=ORCA_BASE_LOADS, metavar="L1,L2,...",
+                        help="section 1's loads for the baseline's curve, fractions of μ; it must reach the latency "
+                             f"iteration-level has at its loads (default {','.join(map(str, ORCA_BASE_LOADS))})")
     parser.add_argument("--orca-prompt", type=_range, default=(32, 512), metavar="MIN:MAX",
                         help="section 1's prompt lengths, tokens (default Orca's 32:512)")
     parser.add_argument("--orca-output", type=_range, default=(1, 128), metavar="MIN:MAX",
@@ -514,7 +554,8 @@ def main() -> None:
     args = parser.parse_args()
     mix = OrcaMix(*args.orca_prompt, *args.orca_output)
     sections = {**SECTIONS, "iteration-vs-request": functools.partial(
-        iteration_vs_request, requests=args.orca_requests, loads=args.orca_loads, mix=mix)}
+        iteration_vs_request, requests=args.orca_requests, loads=args.orca_loads,
+        base_loads=args.orca_base_loads, mix=mix)}
     torch.set_num_threads(1)
     model_dir = cached_model_dir()
     t0 = time.perf_counter()
