@@ -553,7 +553,7 @@ def main() -> None:
                         help="section 1's output lengths, tokens (default Orca's 1:128)")
     args = parser.parse_args()
     mix = OrcaMix(*args.orca_prompt, *args.orca_output)
-    sections = {**SECTIONS, "iteration-vs-request": functools.partial(
+    sections: dict[str, Section] = {**SECTIONS, "iteration-vs-request": functools.partial(
         iteration_vs_request, requests=args.orca_requests, loads=args.orca_loads,
         base_loads=args.orca_base_loads, mix=mix)}
     torch.set_num_threads(1)
