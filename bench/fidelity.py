@@ -16,7 +16,7 @@
 4. simulates the very same requests (same lengths, all arriving at t=0, IWRR router) on the
    plan with the measured profiles, once with the simulator's defaults (every node its own
    device, whole prompts per iteration) and *as served here*: the agents share this host's
-   cores (``SimConfig.host_cores``), prefill one chunk per step as ``helix agent`` does
+   cores (``SimConfig.host_cores``), prefill at most a chunk's tokens per step as ``helix agent`` does
    (``SimConfig.prefill_chunk_tokens``), wait its gather window, and every iteration costs
    the calibration's CPU outside steps on top of the profile's price
    (``SimConfig.iteration_overhead_ms``; shown without it too);
@@ -333,7 +333,7 @@ def one_round(args: argparse.Namespace, workdir: Path, console: Console, force: 
     trace = [RequestSpec(0.0, r["prompt_tokens"], r["completion_tokens"]) for r in real]
     cores = os.cpu_count() or 1
 
-    chunk = SchedulerConfig().chunk_size  # what `helix agent` runs: one prefill chunk per step
+    chunk = SchedulerConfig().chunk_size  # what `helix agent` runs: at most this many prompt tokens per step
     gather_ms = args.gather_window_ms  # and an idle agent waits for the rest of a burst
 
     def sim_with(host_cores: int | None, chunk_tokens: int | None, overhead: float = 0.0) -> Any:
@@ -343,8 +343,8 @@ def one_round(args: argparse.Namespace, workdir: Path, console: Console, force: 
                                                            gather_window_ms=gather_ms if chunk_tokens else 0.0))  # fmt: skip
 
     # the simulator's default (every node its own device, whole prompts per iteration); the
-    # cluster as it runs here (the agents share this host's cores and prefill one chunk per
-    # step), without and with the host's CPU outside engine steps (the verdict's number)
+    # cluster as it runs here (the agents share this host's cores and prefill at most a
+    # chunk per step), without and with the host's CPU outside engine steps (the verdict's number)
     naive, bare, served = sim_with(None, None), sim_with(cores, chunk), sim_with(cores, chunk, overhead_ms)
     table = Table(title=f"fidelity: {len(real)} requests on the demo cluster ({plan.method} plan {dict(plan.placement)})")
     columns = {"simulated: own devices": naive, f"as served: {cores} shared cores, chunk {chunk}": bare,

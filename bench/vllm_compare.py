@@ -11,10 +11,9 @@ so neither steals the other's core:
   arrive at t = 0: throughput is the service capacity (under Poisson arrivals below capacity both
   engines simply finish at the arrival rate). The same token ids go to both engines.
 * **ours**: one ``StageEngine`` holding layers [0, 30) with the agent's default scheduler
-  (iteration-level batching, max batch 32, token budget 512, one prefill chunk of up to 256
-  tokens per step), stepped in this process with ``torch.set_num_threads(T)``. vLLM's chunked
-  prefill lets one prompt take the whole 512-token step: ``--chunk 512`` gives ours the same
-  (2026-11-22, 24 requests: 0.78x vs 0.76x at 256).
+  (iteration-level batching, max batch 32, token budget 512, up to 256 prompt tokens per
+  step, over one or several prompts), stepped in this process with ``torch.set_num_threads(T)``.
+  vLLM's steps carry up to 512 prompt tokens: ``--chunk 512`` gives ours the same step limit.
 * **vLLM**: offline ``vllm.LLM`` (V1 engine, in-process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
   with ``max_num_seqs=32, max_num_batched_tokens=512`` and chunked prefill (the same batch limits),
   its defaults otherwise (torch.compile'd model, prefix caching on), ``SamplingParams(temperature=0,

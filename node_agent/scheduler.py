@@ -8,8 +8,12 @@ Each step (``schedule()`` -> run -> ``update(batch, finished)``):
   scheduler never deadlocks; a request larger than the whole KV capacity is refused at ``add``.
 * **Decodes first.** Every running request in its decode phase that has an input token gets one
   token in the step (at most ``max_batch_size`` tokens, which the budget always covers).
-* **Chunked prefill (Sarathi, ``chunk_size`` set): decode-maximal batching.** Then at most ONE
-  prefill chunk of at most ``chunk_size`` tokens fills the remaining ``token_budget``.
+* **Chunked prefill (Sarathi, ``chunk_size`` set): decode-maximal batching.** Then prefill chunks
+  of the running prompts, FCFS, carry at most ``chunk_size`` prompt tokens in all (and no more than
+  the remaining ``token_budget``): the oldest prompt's next chunk first, and where it ends before
+  the chunk is full, the next prompt's first tokens (Sarathi-Serve's stall-free batching; vLLM
+  packs its steps the same way). ``chunk_size`` thus bounds the prefill work a step adds to the
+  running decodes' time between tokens, however short the prompts are.
 * **Unchunked prefill (Orca, ``chunk_size=None``): several whole prompts per step.** Then the
   running requests in prefill, FCFS, each with its whole pending prompt, as long as it fits the
   remaining ``token_budget``; the oldest one always runs even if it alone exceeds the budget (a
@@ -80,7 +84,7 @@ class ScheduledWork:
 
 @dataclass(slots=True)
 class Batch:
-    """What runs in one step: decodes first (FCFS), then one prefill chunk or several whole prompts."""
+    """What runs in one step: decodes first (FCFS), then prefill chunks or several whole prompts."""
 
     work: list[ScheduledWork] = field(default_factory=list)
     admitted: list[str] = field(default_factory=list)
@@ -98,7 +102,7 @@ class Batch:
 
 
 class Scheduler:
-    """FCFS admission with KV reservation; decodes plus one prefill chunk, or plus whole prompts."""
+    """FCFS admission with KV reservation; decodes plus ``chunk_size`` prefill tokens, or plus whole prompts."""
 
     def __init__(self, config: SchedulerConfig, kv: KVAccount) -> None:
         self.config, self.kv = config, kv
@@ -168,10 +172,12 @@ class Scheduler:
             todo = min(seq.pending_tokens, seq.prompt_tokens - seq.computed_tokens)
             if chunk is not None:
                 todo = min(todo, chunk, budget)
-                if todo > 0:
-                    batch.work.append(ScheduledWork(seq.request_id, todo, seq.computed_tokens, True,
-                                                    seq.computed_tokens + todo == seq.prompt_tokens))
-                break  # Sarathi: at most one prefill chunk per step, the oldest
+                if todo <= 0:
+                    break  # the step's prefill tokens are spent
+                batch.work.append(ScheduledWork(seq.request_id, todo, seq.computed_tokens, True,
+                                                seq.computed_tokens + todo == seq.prompt_tokens))
+                chunk, budget = chunk - todo, budget - todo  # Sarathi: chunk_size prefill tokens per step in all
+                continue
             if batch.num_prefill_chunks and todo > budget:
                 break  # Orca: whole prompts while they fit; FCFS, so no younger prompt overtakes
             batch.work.append(ScheduledWork(seq.request_id, todo, seq.computed_tokens, True,

@@ -60,8 +60,8 @@ class SimNode:
 
     def take_batch(self, chunk: int | None) -> tuple[list[SimRequest], dict[int, list[int]]] | None:
         """Form the next iteration from the queue, FIFO (Orca), skipping what does not fit:
-        prefills up to ``pmax`` tokens and ``pcount`` prompts (or, ``chunk``, one chunk of the
-        oldest prompt: Sarathi), decodes up to ``dmax`` requests whose contexts sum to at most
+        prefills up to ``pmax`` tokens and ``pcount`` prompts (or, ``chunk``, chunks of the oldest
+        prompts, ``chunk`` tokens in all: Sarathi), decodes up to ``dmax`` requests whose contexts sum to at most
         ``dctx``, each only if its KV fits; the taken requests leave the queue and their KV is
         held. Returns the batch and its composition by entry layer (:meth:`iteration_ms`), or
         None when nothing fits (the caller preempts). ``received`` counts the batch's tokens
@@ -79,11 +79,11 @@ class SimNode:
             layers = self.end - ls
             if r.prefill:
                 todo = r.ctx - r.pdone
-                if chunk is not None:  # Sarathi: one chunk of the oldest prompt per iteration
-                    if ptoks:
+                if chunk is not None:  # Sarathi: the oldest prompts' chunks, ``chunk`` tokens in all per iteration
+                    if ptoks >= chunk:
                         rest.append(r)
                         continue
-                    todo = min(todo, chunk)
+                    todo = min(todo, chunk - ptoks)
                 elif ptoks and (ptoks + todo > self.pmax or (pcount is not None and prompts >= pcount)):
                     rest.append(r)
                     continue

@@ -40,13 +40,14 @@ def test_fcfs_admission_and_max_batch_size() -> None:
         s.add(rid, prompt_tokens=4, max_tokens=4, pending_tokens=4)
     batch = s.schedule()
     assert batch.admitted == ["a", "b"] and list(s.running) == ["a", "b"]
-    assert [w.request_id for w in batch.work] == ["a"]  # one prefill chunk per step, the oldest first
+    # the step's 8 prefill tokens: the oldest prompt whole, then the next one's; c waits for a slot
+    assert [(w.request_id, w.num_tokens) for w in batch.work] == [("a", 4), ("b", 4)]
     s.update(batch)
     s.remove("a")
     assert s.schedule().admitted == ["c"]
 
 
-def test_one_prefill_chunk_per_step_plus_all_decodes_within_budget() -> None:
+def test_chunk_size_prefill_tokens_per_step_plus_all_decodes_within_budget() -> None:
     s = make(max_batch_size=8, token_budget=10, chunk_size=6)
     for rid in "xyz":
         s.add(rid, prompt_tokens=1, max_tokens=50, pending_tokens=1)
@@ -55,17 +56,38 @@ def test_one_prefill_chunk_per_step_plus_all_decodes_within_budget() -> None:
     seen_decodes_with_chunk = False
     for _ in range(40):
         batch = run_step(s, max_tokens, generated)
-        assert batch.num_prefill_chunks <= 1
         assert batch.num_tokens <= 10
         prefill = [w for w in batch.work if w.is_prefill]
         decodes = [w for w in batch.work if not w.is_prefill]
         assert all(w.num_tokens == 1 for w in decodes)
-        assert all(w.num_tokens <= 6 for w in prefill)
-        if prefill and prefill[0].request_id == "long" and len(decodes) == 3:
+        assert sum(w.num_tokens for w in prefill) <= 6
+        if prefill and prefill[0].request_id == "long" and len(decodes) == 3 and not prefill[0].ends_prompt_or_decodes:
             seen_decodes_with_chunk = True
             assert prefill[0].num_tokens == 6  # 3 decodes + 6 ≤ 10: capped by chunk size, not budget
     assert seen_decodes_with_chunk
     assert generated["long"] == 5
+
+
+def test_chunked_step_packs_short_prompts_fcfs_up_to_chunk_size() -> None:
+    s = make(max_batch_size=8, token_budget=64, chunk_size=10)
+    for rid, n in [("a", 4), ("b", 3), ("c", 8)]:
+        s.add(rid, prompt_tokens=n, max_tokens=5, pending_tokens=n)
+    generated: dict[str, int] = {}
+    first = run_step(s, dict.fromkeys("abc", 5), generated)
+    # a and b whole, then c's first 3 tokens: 10 prefill tokens, FCFS
+    assert _work(first) == [("a", 4, True), ("b", 3, True), ("c", 3, True)]
+    assert [w.ends_prompt_or_decodes for w in first.work] == [True, True, False]
+    second = run_step(s, dict.fromkeys("abc", 5), generated)
+    assert _work(second) == [("a", 1, False), ("b", 1, False), ("c", 5, True)]
+
+
+def test_chunked_step_takes_only_pending_input_then_the_next_prompt() -> None:
+    s = make(max_batch_size=4, token_budget=64, chunk_size=8)
+    s.add("down1", prompt_tokens=40, max_tokens=2)  # a later stage: hidden states arrive in pieces
+    s.add("down2", prompt_tokens=10, max_tokens=2)
+    s.add_input("down1", 3)
+    s.add_input("down2", 10)
+    assert _work(s.schedule()) == [("down1", 3, True), ("down2", 5, True)]
 
 
 def test_token_budget_caps_the_prefill_chunk() -> None:

@@ -189,7 +189,7 @@ def test_nodes_sharing_a_host_share_its_cores() -> None:
     assert one > 1.5 * free  # one core: the three stages share it
 
 
-def test_chunked_prefill_runs_one_prompt_chunk_per_iteration() -> None:
+def test_chunked_prefill_packs_prompt_chunks_up_to_the_chunk_per_iteration() -> None:
     from helix.plan import Plan
     from helix.profile import GpuProfile, ModelProfile, ProfileSet, ThroughputProfile
     from helix.spec import ClusterSpec
@@ -215,8 +215,11 @@ def test_chunked_prefill_runs_one_prompt_chunk_per_iteration() -> None:
     # the first prompt starts alone (20 tokens x 2 layers + 10 ms = 50 ms); whole prompts: the two
     # queued behind it share one iteration (40 x 2 + 10 = 90 ms): first tokens at 50, 140, 140 ms
     assert mean_ttft(None, [20, 20, 20]) == pytest.approx((0.05 + 0.14 + 0.14) / 3, abs=1e-4)
-    # Sarathi: one prompt per iteration, in arrival order: 50, 100, 150 ms
-    assert mean_ttft(256, [20, 20, 20]) == pytest.approx(0.1, abs=1e-4)
+    # chunked, the queued prompts share an iteration as long as the chunk holds them: as above
+    assert mean_ttft(256, [20, 20, 20]) == pytest.approx((0.05 + 0.14 + 0.14) / 3, abs=1e-4)
+    # Sarathi with 16-token chunks, FCFS: 16 of the first prompt (42 ms); its last 4 + 12 of the
+    # second (42 ms); the second's last 8 + 8 of the third (42 ms); the third's last 12 (34 ms)
+    assert mean_ttft(16, [20, 20, 20]) == pytest.approx((0.084 + 0.126 + 0.160) / 3, abs=1e-4)
     # a prompt longer than the chunk takes several iterations on the node before it moves on
     assert mean_ttft(16, [40]) == pytest.approx(2 * (0.032 + 0.01) + 0.016 + 0.01, abs=1e-4)
 
