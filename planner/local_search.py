@@ -137,6 +137,59 @@ def _bottleneck_moves(inst: Instance, pl: Placement, rng: random.Random) -> list
     return out
 
 
+def group_moves(inst: Instance, pl: Placement) -> list[Placement]:
+    """Moves of whole groups (the nodes that hold one range): every boundary between two adjacent ranges
+    shifted by one layer (all holders of both ranges follow), and one node of each GPU type in a group
+    moved to another group's range. Neighbours a stage plan's local search reaches only in several steps."""
+    groups: dict[tuple[int, int], list[str]] = {}
+    for node, rng_ in sorted(pl.items()):
+        groups.setdefault(rng_, []).append(node)
+    out: list[Placement] = []
+    for (a, b), left in groups.items():
+        for (b2, c), right in groups.items():
+            if b2 != b:
+                continue
+            for d in (-1, 1):
+                m = b + d
+                if not (a < m < c) or any(m - a > inst.max_layers(n) for n in left) or any(
+                        c - m > inst.max_layers(n) for n in right):
+                    continue
+                moved = dict(pl)
+                moved.update({n: (a, m) for n in left})
+                moved.update({n: (m, c) for n in right})
+                out.append(moved)
+    for src, members in groups.items():
+        if len(members) < 2:
+            continue  # moving a group's only node away uncovers its layers
+        firsts = {inst.gpu_of[n]: n for n in reversed(members)}
+        for node in firsts.values():
+            for dst in groups:
+                if dst != src and dst[1] - dst[0] <= inst.max_layers(node):
+                    moved = dict(pl)
+                    moved[node] = dst
+                    out.append(moved)
+    return out
+
+
+def neighbourhood(inst: Instance, pl: Placement, rng: random.Random, *, nodes: int = 6) -> list[Placement]:
+    """A placement's neighbours, distinct and different from it: :func:`group_moves`, then the local
+    search's own moves (bottleneck moves, shifts, grow/shrink, copies) of ``nodes`` random nodes."""
+    out = group_moves(inst, pl)
+    names = sorted(pl)
+    for node, r in _bottleneck_moves(inst, pl, rng):
+        out.append({**pl, node: r})
+    for node in rng.sample(names, min(nodes, len(names))):
+        out.extend({**pl, node: r} for r in _moves(inst, pl, node, rng, [n for n in names if n != node]))
+    seen = {frozenset(pl.items())}
+    unique = []
+    for cand in out:
+        key = frozenset(cand.items())
+        if key not in seen:
+            seen.add(key)
+            unique.append(cand)
+    return unique
+
+
 def improve(
     ev: Evaluator,
     start: Placement,

@@ -12,6 +12,11 @@ The paper's MILP is weak for open-source solvers; we split the work (docs/planne
    estimate (``planner.serving_model``) computed on the exact max-flow solution: the mean of
    the estimates under the plan's balanced flows and under the flows the paper's simulator
    recomputes (``planner.flows.judge_flows``; ``score["judge_decode_tok_s"]``).
+4. **Simulated refinement** (``planner.simulated``, objective ``serving``, on by default): the
+   model's best few placements, and small moves of the best, are judged by a short run of our
+   simulator under the plan's and the judge's flows; the search returns the one whose lower
+   simulated decode tok/s is highest (``score["simulated_decode_tok_s"]`` and
+   ``["simulated_judge_decode_tok_s"]``). It gets :data:`SIMULATE_SHARE` of the time limit.
 
 One :class:`~planner.budget.Deadline` bounds the whole call: every phase (each MILP, the
 serving evaluation's QP/LP, the bound, the search) gets at most the time left, and
@@ -54,6 +59,7 @@ from planner.instance import Instance, Placement
 from planner.local_search import SERVING_MIN_GAIN, Evaluator, Scored, improve
 from planner.progress import Progress
 from planner.serving_model import ServingModel, Workload
+from planner.simulated import SIM_TOP, Refined, SimScorer, Simulated, refine, simulable
 
 OPTIMAL_TOL = BOUND_REL_TOL
 FINISH_SHARE = 0.1  # of the time limit, kept for the final exact check and balanced flows ...
@@ -61,6 +67,7 @@ FINISH_MAX_S = 3.0  # ... but never more than this
 CONSTRUCTION_SHARE = 0.15  # the stage-plan bisection's share of the limit (at least 0.5 s)
 SCORING_SHARE = 0.5  # construction stops scoring candidates after this share of the limit (at least 0.5 s)
 BOUND_SHARE = 0.1  # the layer-configuration bound's share of the limit (at least 0.5 s)
+SIMULATE_SHARE = 0.4  # the simulated refinement's share of the limit (the search before it stops earlier)
 
 
 @dataclass(slots=True)
@@ -177,10 +184,13 @@ def optimize(
     workload: Workload | None = None,
     deadline: Deadline | None = None,
     stall_s: float | None = None,
+    simulate: bool = True,
 ) -> OptimizeResult:
     """Search a placement of ``cluster`` for ``objective`` by ``deadline`` (default: within
     ``time_limit_s`` seconds from now); stop earlier when the bound is met or the search has
-    not improved for ``stall_s`` seconds (default :func:`planner.budget.stall_window_s`)."""
+    not improved for ``stall_s`` seconds (default :func:`planner.budget.stall_window_s`).
+    ``simulate`` (objective ``serving``): end with the simulated refinement (``planner.simulated``)
+    when the cluster's GPUs have latency curves."""
     deadline = deadline if deadline is not None else Deadline.after(time_limit_s)
     clock = deadline.clock
     t0 = clock()
@@ -256,7 +266,9 @@ def optimize(
             anchor[0] = s
             watch.improved()
 
-    polish = search.within(search.remaining(), stop=stop)
+    refining = serving and simulate and simulable(cluster, profiles)
+    reserve = SIMULATE_SHARE * limit if refining else 0.0
+    polish = search.within(max(0.0, search.remaining() - reserve), stop=stop)
     if not serving and not ev.coverage_exact and (target is None or best.key[0] < target) and not polish.expired():
         # links may bind: first search the network-free relaxation (microseconds per move),
         # then keep its result only if the exact max flow agrees that it is better
@@ -278,9 +290,31 @@ def optimize(
         pool.offer(got, "local search")
     best = pool.best
     assert best is not None
+    stats: dict[str, Any] = {"candidates": len(pool.scored), "stall_window_s": watch.window_s}
+    refined = None
+    if refining and not search.expired():
+        refined = _refine(cluster, profiles, inst, ev, pool, search, seed=seed, partial_handoffs=partial_handoffs,
+                          report=report)
+        if refined is not None:
+            best = refined.best
+            stalled["yes"] = refined.stop_reason != "time_limit"
+            stats.update(simulations=refined.simulations, simulated_stop=refined.stop_reason,
+                         model_choice_simulated_tok_s=round(refined.model_choice.score, 1))
     return _finish(inst, best, bound, objective=objective, stop_at_bound_gap=stop_at_bound_gap,
                    stalled=stalled["yes"], deadline=deadline, t0=t0, flow_ev=flow_ev, ev=ev, sm=sm, report=report,
-                   stats={"candidates": len(pool.scored), "stall_window_s": watch.window_s})
+                   stats=stats, simulated=refined.simulated if refined is not None else None)
+
+
+def _refine(cluster: ClusterSpec, profiles: ProfileSet, inst: Instance, ev: Evaluator, pool: _Pool,
+            deadline: Deadline, *, seed: int, partial_handoffs: bool, report: Report) -> Refined | None:
+    """The simulated refinement (``planner.simulated.refine``) of the pool's best placements."""
+    scorer = SimScorer(cluster, profiles, inst, partial_handoffs=partial_handoffs)
+
+    def say(s: Scored, sim: Simulated, phase: str) -> None:
+        report(s, pool.bound, f"{phase}: simulated {sim.decode_tok_s:.1f} / {sim.judge_decode_tok_s:.1f} decode "
+                              "tok/s (plan / judge flows)")
+
+    return refine(ev, pool.top(SIM_TOP), scorer, deadline=deadline, seed=seed, report=say)
 
 
 def _progress(before: Scored, after: Scored, serving: bool) -> bool:
@@ -316,7 +350,7 @@ def _per_region_candidate(inst: Instance, deadline: Deadline, coarse: float) -> 
 def _finish(
     inst: Instance, best: Scored, bound: bounds.Bound, *, objective: str, stop_at_bound_gap: float | None,
     stalled: bool, deadline: Deadline, t0: float, flow_ev: Evaluator, ev: Evaluator, sm: ServingModel | None,
-    report: Report, stats: dict[str, Any],
+    report: Report, stats: dict[str, Any], simulated: Simulated | None = None,
 ) -> OptimizeResult:
     """Exact check, status, stop reason and the plan's flows (balanced when there is time)."""
     mf = flow_ev.exact_max_flow(best.placement)
@@ -347,6 +381,10 @@ def _finish(
         judged = best.judged if best.serving is not None else ev.score(best.placement).judged
         if judged is not None:
             score["judge_decode_tok_s"] = judged.decode_tok_s
+    if simulated is not None:
+        score.update(simulated_decode_tok_s=simulated.decode_tok_s,
+                     simulated_judge_decode_tok_s=simulated.judge_decode_tok_s,
+                     simulated_prompt_p50_s=simulated.prompt_p50_s, simulated_decode_p50_s=simulated.decode_p50_s)
     flows = best.flows
     if flows is None or abs(sum(e.tok_s for e in flows if e.src == inst.coordinator) - mf) > 1e-6 * max(1.0, mf):
         got = balance(inst.cap, best.placement, partial_handoffs=flow_ev.partial_handoffs, value=mf, deadline=deadline)

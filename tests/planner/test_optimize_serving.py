@@ -92,7 +92,8 @@ def judged_score(inst: Instance, placement: dict[str, tuple[int, int]]) -> float
 def test_serving_objective_beats_the_papers_plan(single24: tuple[ClusterSpec, ProfileSet]) -> None:
     cluster, profiles = single24
     inst = Instance.build(cluster, profiles)
-    res = optimize(cluster, profiles, objective="serving", time_limit_s=15, seed=0)
+    # the model's own choice (the simulated refinement, tests/planner/test_simulated.py, may rank by the simulator)
+    res = optimize(cluster, profiles, objective="serving", time_limit_s=15, seed=0, simulate=False)
     # both routed as the paper's simulator routes them (the paper's placement has no flows of its own)
     paper = judged_score(inst, reference("milp"))
     assert res.score["judge_decode_tok_s"] >= 1.2 * paper
