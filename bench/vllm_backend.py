@@ -90,7 +90,8 @@ def single(model_dir: Path, n: int, rounds: int, console: Console) -> None:
     log.ratio("vLLM backend ÷ vLLM, by CPU time", "total tok/s by CPU, vLLM backend", "total tok/s by CPU, vLLM")
     log.ratio(RATIO_TORCH, "total tok/s by CPU, vLLM backend", "total tok/s by CPU, torch engine")
     console.print(figures_table(log, f"One agent on the vLLM backend — SmolLM2-135M float32, Orca mix, {n} requests "
-                                     f"per round, {rounds} round(s)", TARGETS))  # fmt: skip
+                                     f"per round, {rounds} round(s), ours: up to {SCHED['chunk_size']} prompt tokens "
+                                     "per step", TARGETS))  # fmt: skip
     for line in verdict_lines(log, TARGETS):
         console.print(line)
 
@@ -114,7 +115,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one round; single: 8 requests, agents: 12")
     parser.add_argument("--requests", type=int, default=16, help="single: requests per round (default 16)")
     add_rounds_option(parser, None, f"single {SINGLE_ROUNDS}, agents {AGENTS_ROUNDS}, or 1 with --quick")
+    parser.add_argument("--chunk", type=int, default=SCHED["chunk_size"],
+                        help=f"single: our engines' prompt tokens per step (default {SCHED['chunk_size']}, the agent's; "
+                             "512 = vLLM's step limit here)")
     args = parser.parse_args()
+    SCHED["chunk_size"] = args.chunk
     from rich.console import Console
 
     from node_agent.gguf_convert import cached_model_dir
