@@ -31,9 +31,11 @@ from pydantic.fields import FieldInfo
 from helix.plan import Plan
 from helix.profile import ProfileSet
 from helix.spec import ClusterSpec
+from helix.tasks import PETFileConfig
 
 # block name -> the root model of that file format
-BLOCKS: dict[str, type[BaseModel]] = {"cluster": ClusterSpec, "profiles": ProfileSet, "plan": Plan}
+BLOCKS: dict[str, type[BaseModel]] = {"cluster": ClusterSpec, "profiles": ProfileSet, "plan": Plan,
+                                      "task": PETFileConfig}
 
 BEGIN = "<!-- BEGIN generated: {name} (python -m helix.reference docs/config.md) -->"
 END = "<!-- END generated: {name} -->"

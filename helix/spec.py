@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from helix.errors import ConfigError
 from helix.loading import load_model
+from helix.tasks import TaskSpec
 
 COORDINATOR_DEFAULT_ID = "coordinator"
 
@@ -117,6 +118,10 @@ class ClusterSpec(_Strict):
     defaults: LinkDefaults | None = Field(
         default=None, description="links for every pair not in `links`; absent: only listed links exist"
     )
+    tasks: list[TaskSpec] = Field(
+        default=[], description="fine-tuned tasks of `model` served from start (docs/pets.md); more can be loaded "
+        "and unloaded at runtime through the coordinator"
+    )
 
     _source: str = PrivateAttr(default="<cluster>")
 
@@ -136,7 +141,19 @@ class ClusterSpec(_Strict):
                     raise ValueError(f"links[{i}].{end}: unknown node {getattr(link, end)!r}")
             if link.src == link.dst:
                 raise ValueError(f"links[{i}]: a link from {link.src!r} to itself")
+        names: dict[str, int] = {}
+        for i, task in enumerate(self.tasks):
+            if task.name in names:
+                raise ValueError(f"tasks[{i}].name: duplicate task {task.name!r} (also tasks[{names[task.name]}])")
+            if task.name == self.model:
+                raise ValueError(f"tasks[{i}].name: {task.name!r} is the base model's name")
+            names[task.name] = i
         return self
+
+    def task_paths(self) -> list[tuple[str, str]]:
+        """``(name, directory)`` of every task in `tasks`, directories resolved against this file's folder."""
+        base = Path(self.source).parent
+        return [(t.name, str((base / t.path).resolve())) for t in self.tasks]
 
     # -- derived views -------------------------------------------------------------------
 

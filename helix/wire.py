@@ -8,12 +8,13 @@ and numpy-free: tensors are ``bytes``/``memoryview`` plus a dtype name and a sha
 converts to and from torch.
 
 Planes (as in Orca): the *control plane* (coordinator <-> agent, authenticated on connect)
-carries HELLO/CHALLENGE/AUTH/WELCOME, ADMIT, STEP, CANCEL, HEARTBEAT, REFUSED and ERROR; the
+carries HELLO/CHALLENGE/AUTH/WELCOME, ADMIT, STEP, CANCEL, HEARTBEAT, REFUSED and ERROR, and
+LOAD_TASK / UNLOAD_TASK answered by TASK_STATUS (fine-tuned tasks, docs/pets.md); the
 *data plane* carries ACTIVATIONS node to node and TOKENS from a pipeline's last stage to the
 coordinator.
 
 Life of a request: the coordinator sends ADMIT (prompt ids, sampling, max tokens, pipeline) to
-the first stage; each stage forwards ACTIVATIONS to its next stage, the first ACTIVATIONS of a
+the first stage (``task`` names the fine-tuned task it runs, "" the base model); each stage forwards ACTIVATIONS to its next stage, the first ACTIVATIONS of a
 request carrying the admission (pipeline, sampling, hop index); the last stage sends TOKENS to
 the coordinator, which sends STEP (only the new token) to the first stage for the next step.
 CANCEL (to every stage) frees a request's KV when it finishes or is abandoned.
@@ -61,14 +62,17 @@ from helix.wire_messages import (
     Error,
     Heartbeat,
     Hello,
+    LoadTask,
     Message,
     Refused,
     SamplingSpec,
     StageRef,
     Step,
     StepStats,
+    TaskStatus,
     TokenOut,
     Tokens,
+    UnloadTask,
     Welcome,
 )
 
@@ -89,6 +93,7 @@ __all__ = [  # the protocol: messages and limits (helix.wire_messages), codec, h
     "Heartbeat",
     "Hello",
     "KINDS",
+    "LoadTask",
     "MAX_GRAMMAR_CHARS",
     "MAX_ID_CHARS",
     "MAX_LIST",
@@ -105,8 +110,10 @@ __all__ = [  # the protocol: messages and limits (helix.wire_messages), codec, h
     "StageRef",
     "Step",
     "StepStats",
+    "TaskStatus",
     "TokenOut",
     "Tokens",
+    "UnloadTask",
     "Welcome",
     "decode",
     "encode",
@@ -153,7 +160,7 @@ def _header(msg: Message) -> dict[str, Any]:
     if isinstance(msg, Admit):
         return {"request_id": msg.request_id, "prompt": list(msg.prompt), "max_tokens": msg.max_tokens,
                 "sampling": _sampling(msg.sampling), "pipeline": [_stage(s) for s in msg.pipeline],
-                "reply_to": msg.reply_to}  # fmt: skip
+                "reply_to": msg.reply_to, "task": msg.task}  # fmt: skip
     if isinstance(msg, Activations):
         h: dict[str, Any] = {"request_id": msg.request_id, "step": msg.step, "position": msg.position,
                              "dtype": msg.dtype, "shape": list(msg.shape)}  # fmt: skip
@@ -161,7 +168,7 @@ def _header(msg: Message) -> dict[str, Any]:
             a = msg.admit
             h["admit"] = {"hop": a.hop, "prompt_tokens": a.prompt_tokens, "max_tokens": a.max_tokens,
                           "sampling": _sampling(a.sampling), "pipeline": [_stage(s) for s in a.pipeline],
-                          "reply_to": a.reply_to}  # fmt: skip
+                          "reply_to": a.reply_to, "task": a.task}  # fmt: skip
         return h
     if isinstance(msg, Heartbeat):
         s = msg.steps

@@ -34,14 +34,17 @@ from helix.wire_messages import (
     Error,
     Heartbeat,
     Hello,
+    LoadTask,
     Message,
     Refused,
     SamplingSpec,
     StageRef,
     Step,
     StepStats,
+    TaskStatus,
     TokenOut,
     Tokens,
+    UnloadTask,
     Welcome,
 )
 
@@ -202,6 +205,12 @@ def _decode_pipeline(f: _Fields, name: str, v: Any) -> tuple[StageRef, ...]:
     return tuple(stages)
 
 
+def _task_id(f: _Fields, name: str, v: Any, *, empty: bool = True) -> str:
+    if not isinstance(v, str) or len(v) > MAX_ID_CHARS or (not v and not empty):
+        raise f.fail(name, f"expected a task name of at most {MAX_ID_CHARS} characters, got {_show(v)}")
+    return v
+
+
 def _check_tensor(dtype: str, shape: Sequence[int], nbytes: int) -> None:
     if dtype not in DTYPE_BYTES:
         raise ProtocolError(f"ACTIVATIONS.dtype: unsupported {dtype!r} (supported: {', '.join(DTYPE_BYTES)})")
@@ -227,6 +236,7 @@ def _decode_admit_info(f: _Fields, v: Any) -> AdmitInfo:
         sampling=_decode_sampling(a, "sampling", a.get("sampling")),
         pipeline=pipeline,
         reply_to=a.str_("reply_to", "", empty=True),
+        task=_task_id(a, "task", a.get("task", "")),
     )
     a.done()
     return info
@@ -252,7 +262,22 @@ def _decode_body(f: _Fields, payload: Sequence[memoryview]) -> Message:
             sampling=_decode_sampling(f, "sampling", f.get("sampling")),
             pipeline=_decode_pipeline(f, "pipeline", f.get("pipeline")),
             reply_to=f.str_("reply_to", "", empty=True),
+            task=_task_id(f, "task", f.get("task", "")),
         )
+    if k == "LOAD_TASK":
+        return LoadTask(_task_id(f, "task_id", f.get("task_id"), empty=False), f.str_("path"),
+                        f.int_("max_lora_rank", 0, hi=1 << 20))
+    if k == "UNLOAD_TASK":
+        return UnloadTask(_task_id(f, "task_id", f.get("task_id"), empty=False))
+    if k == "TASK_STATUS":
+        op = f.str_("op")
+        if op not in ("load", "unload"):
+            raise f.fail("op", f"expected 'load' or 'unload', got {_show(op)}")
+        ok = f.get("ok")
+        if not isinstance(ok, bool):
+            raise f.fail("ok", f"expected a bool, got {_show(ok)}")
+        return TaskStatus(f.str_("node_id"), _task_id(f, "task_id", f.get("task_id"), empty=False), op, ok,
+                          f.str_("error", "", empty=True), f.int_("nbytes", 0))
     if k == "STEP":
         return Step(f.str_("request_id"), f.int_("step"), f.int_("token_id", hi=MAX_TOKEN_ID))
     if k == "CANCEL":

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# 2: SamplingSpec carries penalties, logit_bias and prior_output_ids; 3: HEARTBEAT.steps; 4: SamplingSpec.grammar
-PROTOCOL_VERSION = 4
+# 2: SamplingSpec carries penalties, logit_bias and prior_output_ids; 3: HEARTBEAT.steps; 4: SamplingSpec.grammar;
+# 5: ADMIT.task / ACTIVATIONS.admit.task, LOAD_TASK / UNLOAD_TASK / TASK_STATUS
+PROTOCOL_VERSION = 5
 DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
 NONCE_BYTES = 32
 DTYPE_BYTES: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -112,6 +113,7 @@ class Admit:
     sampling: SamplingSpec
     pipeline: tuple[StageRef, ...]
     reply_to: str = ""  # the coordinator's data-plane address for TOKENS ("" = control socket)
+    task: str = ""  # the fine-tuned task (PET) the request runs ("" = the base model)
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,6 +210,39 @@ class AdmitInfo:
     sampling: SamplingSpec
     pipeline: tuple[StageRef, ...]
     reply_to: str = ""
+    task: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadTask:
+    """Coordinator -> agent: bind task ``task_id`` whose PET files are in ``path`` (a directory the
+    agent reads: PEFT's LoRA layout or ours, see docs/pets.md); the agent reads only the tensors of
+    the layers it holds. ``max_lora_rank`` 0: no limit. Answered by TASK_STATUS."""
+
+    task_id: str
+    path: str
+    max_lora_rank: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class UnloadTask:
+    """Coordinator -> agent: unbind task ``task_id`` (requests running it finish first). Answered by TASK_STATUS."""
+
+    task_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class TaskStatus:
+    """Agent -> the coordinator that asked: the outcome of LOAD_TASK (``op`` "load") or UNLOAD_TASK
+    ("unload"); ``error`` names the file and tensor when a PET does not fit; ``nbytes``: what the
+    agent holds of the task."""
+
+    node_id: str
+    task_id: str
+    op: str
+    ok: bool
+    error: str = ""
+    nbytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,10 +283,12 @@ class Tokens:
 
 Message = (
     Hello | Challenge | Auth | Welcome | Admit | Step | Cancel | Heartbeat | Refused | Error | Activations | Tokens
+    | LoadTask | UnloadTask | TaskStatus
 )
 
 KINDS: dict[type, str] = {
     Hello: "HELLO", Challenge: "CHALLENGE", Auth: "AUTH", Welcome: "WELCOME", Admit: "ADMIT", Step: "STEP",
     Cancel: "CANCEL", Heartbeat: "HEARTBEAT", Refused: "REFUSED", Error: "ERROR",
-    Activations: "ACTIVATIONS", Tokens: "TOKENS",
+    Activations: "ACTIVATIONS", Tokens: "TOKENS", LoadTask: "LOAD_TASK", UnloadTask: "UNLOAD_TASK",
+    TaskStatus: "TASK_STATUS",
 }  # fmt: skip

@@ -3,8 +3,9 @@
 Sockets (all bound to loopback unless told otherwise):
 
 * **control** (ROUTER): coordinators connect here, prove the shared secret (HELLO -> CHALLENGE
-  -> AUTH -> WELCOME), then send ADMIT / STEP / CANCEL; the agent sends HEARTBEATs (KV usage,
-  queue lengths and its engine steps' times and batch sizes, every ~250 ms) and ERRORs back on it.
+  -> AUTH -> WELCOME), then send ADMIT / STEP / CANCEL and LOAD_TASK / UNLOAD_TASK; the agent sends
+  HEARTBEATs (KV usage, queue lengths and its engine steps' times and batch sizes, every ~250 ms),
+  ERRORs and TASK_STATUS back on it.
 * **data** (PULL): ACTIVATIONS from the previous stage of any request's pipeline.
 * outgoing PUSH sockets (one per peer): ACTIVATIONS to each request's next stage, TOKENS and
   REFUSED to the request's coordinator (``reply_to``).
@@ -17,6 +18,13 @@ its ACTIVATIONS/TOKENS/REFUSED at once (ZeroMQ's own I/O threads move the bytes)
 receiving overlaps computation and a step's results leave without a thread hand-over. A bad
 message is rejected (ERROR to the sender on the control plane, a log line on the data plane)
 and the agent keeps serving everyone else.
+
+Fine-tuned tasks (docs/pets.md): LOAD_TASK names a task directory the agent reads itself (the
+coordinator sends no tensors); the engine thread reads only the tensors of the layers this stage
+holds (:func:`node_agent.task_files.load_task_slice`), binds them between two steps and answers
+TASK_STATUS to the coordinator that asked (an error names the file and the tensor; the tasks
+already bound are untouched). UNLOAD_TASK unbinds a task; requests running it keep it until they
+finish. A request's task travels in ADMIT and in its first ACTIVATIONS' admission.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ from typing import Any, Protocol
 import zmq
 
 from helix import wire
-from helix.errors import CapacityError, HelixError, ProtocolError
+from helix.errors import CapacityError, HelixError, PETError, ProtocolError
 from node_agent.step_log import StepLog
 from node_agent.step_meter import StepMeter
 from node_agent.transport import PushPool, configure, frame_tensor, sampling_params, tensor_frame
@@ -50,9 +58,13 @@ class StageEngineLike(Protocol):
 
     layer_start: int
     layer_end: int
+    config: Any  # node_agent.config.ModelConfig
 
     def add_request(self, request_id: str, sampling: Any, *, prompt_token_ids: list[int] | None = None,
-                    prompt_len: int | None = None, layer_range: tuple[int, int] | None = None) -> None: ...
+                    prompt_len: int | None = None, layer_range: tuple[int, int] | None = None,
+                    task: str | None = None) -> None: ...
+    def add_task(self, task_id: str, pet: Any, *, max_lora_rank: int | None = None) -> Any: ...
+    def remove_task(self, task_id: str) -> None: ...
     def push_hidden(self, request_id: str, hidden: Any) -> None: ...
     def push_token(self, request_id: str, token_id: int) -> None: ...
     def cancel(self, request_id: str) -> None: ...
@@ -87,6 +99,7 @@ class _Route:
     max_tokens: int
     prompt_tokens: int
     reply_to: str
+    task: str = ""  # "" = the base model
     step: int = 0
     sent_tokens: int = 0  # positions already forwarded to the next stage
     forwarded: bool = False  # the next stage has its admission already
@@ -135,9 +148,9 @@ class NodeAgent:
         self._inbox: deque[list[tuple[bytes | None, wire.Message]]] = deque()
         self._arrivals: list[tuple[bytes | None, wire.Message]] = []  # I/O thread, not yet handed over
         self._work = threading.Event()
-        # engine thread -> I/O thread: messages for every coordinator on the control socket (the
-        # engine thread sends to peers itself: self.peers is its own)
-        self._outbox: deque[wire.Message] = deque()
+        # engine thread -> I/O thread: messages for one coordinator (its identity) or every one (None) on
+        # the control socket (the engine thread sends to peers itself: self.peers is its own)
+        self._outbox: deque[tuple[bytes | None, wire.Message]] = deque()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -198,8 +211,8 @@ class NodeAgent:
         except (BlockingIOError, OSError):
             pass
         while self._outbox:
-            msg = self._outbox.popleft()
-            for identity in list(self._coordinators):
+            to, msg = self._outbox.popleft()
+            for identity in list(self._coordinators) if to is None else [to]:
                 self._send_control(identity, msg)
 
     def _to_engine(self, identity: bytes | None, msg: wire.Message) -> None:  # I/O thread
@@ -211,17 +224,17 @@ class NodeAgent:
             self._arrivals = []
             self._work.set()
 
-    def _out(self, address: str, msg: wire.Message) -> None:  # engine thread
+    def _out(self, address: str, msg: wire.Message, identity: bytes | None = None) -> None:  # engine thread
         """Send ``msg`` to a peer (the next stage, a coordinator's sink) from this thread (with a
         hand-over to the I/O thread a stage-to-stage hop took 1.6 ms median, 3.0 mean on the
-        loaded demo host; without, 0.8 and 1.6); ``""``: every coordinator on the control
-        socket, which the I/O thread owns."""
+        loaded demo host; without, 0.8 and 1.6); ``""``: the coordinator ``identity`` (None: every
+        one) on the control socket, which the I/O thread owns."""
         if address:
             if not self.peers.send(address, msg) and isinstance(msg, wire.Activations):
                 # the next stage is gone: cancel here, applied at the top of the next loop turn
                 self._inbox.append([(None, wire.Cancel(msg.request_id, f"unreachable:{address}"))])
             return
-        self._outbox.append(msg)
+        self._outbox.append((identity, msg))
         try:
             self._wake_w.send(b"x")
         except (BlockingIOError, OSError):
@@ -239,7 +252,7 @@ class NodeAgent:
                 while self._inbox:
                     for identity, msg in self._inbox.popleft():
                         try:
-                            self._apply(msg)
+                            self._apply(msg, identity)
                         except ProtocolError as exc:
                             self._reject("engine", exc)
                             if identity is not None:
@@ -263,8 +276,10 @@ class NodeAgent:
             if step_log is not None:
                 step_log.close()
 
-    def _apply(self, msg: wire.Message) -> None:  # engine thread
-        if isinstance(msg, wire.Admit):
+    def _apply(self, msg: wire.Message, identity: bytes | None = None) -> None:  # engine thread
+        if isinstance(msg, wire.LoadTask | wire.UnloadTask):
+            self._out("", self._on_task(msg), identity)
+        elif isinstance(msg, wire.Admit):
             self._on_admit(msg)
         elif isinstance(msg, wire.Step):
             self._on_step(msg)
@@ -291,7 +306,7 @@ class NodeAgent:
                 self._handshake(identity, msg)
             elif identity not in self._coordinators:
                 raise ProtocolError(f"{wire.KINDS[type(msg)]} before the handshake: send HELLO first")
-            elif isinstance(msg, wire.Admit | wire.Step | wire.Cancel):
+            elif isinstance(msg, wire.Admit | wire.Step | wire.Cancel | wire.LoadTask | wire.UnloadTask):
                 self._to_engine(identity, msg)
             else:
                 raise ProtocolError(f"{wire.KINDS[type(msg)]} is not accepted on an agent's control socket")
@@ -334,7 +349,7 @@ class NodeAgent:
         me = msg.pipeline[0]
         if me.node_id != self.config.node_id:
             raise ProtocolError(f"ADMIT for {msg.request_id!r} names {me.node_id!r} as first stage, not this node")
-        route = _Route(msg.pipeline, 0, msg.sampling, msg.max_tokens, len(msg.prompt), msg.reply_to)
+        route = _Route(msg.pipeline, 0, msg.sampling, msg.max_tokens, len(msg.prompt), msg.reply_to, msg.task)
         self._tombstones.pop(msg.request_id, None)
         self._add(msg.request_id, route, prompt=list(msg.prompt))
 
@@ -362,6 +377,30 @@ class NodeAgent:
         while len(self._tombstones) > TOMBSTONES:
             self._tombstones.popitem(last=False)
 
+    # -- fine-tuned tasks -------------------------------------------------------------------------
+
+    def _on_task(self, msg: wire.LoadTask | wire.UnloadTask) -> wire.TaskStatus:  # engine thread
+        node = self.config.node_id
+        if isinstance(msg, wire.UnloadTask):
+            self.engine.remove_task(msg.task_id)
+            log.info("task %s unloaded", msg.task_id)
+            return wire.TaskStatus(node, msg.task_id, "unload", True)
+        from node_agent.task_files import in_file, load_task_slice
+
+        try:
+            descriptor, pet = load_task_slice(msg.path, self.engine.config, self.engine.layer_start,
+                                              self.engine.layer_end)  # fmt: skip
+            with in_file(str(descriptor.weights)):
+                bound = self.engine.add_task(msg.task_id, pet, max_lora_rank=msg.max_lora_rank or None)
+        except PETError as exc:
+            log.warning("task %s not loaded: %s", msg.task_id, exc.message)
+            return wire.TaskStatus(node, msg.task_id, "load", False, exc.message)
+        except HelixError as exc:  # e.g. a backend that runs no tasks
+            return wire.TaskStatus(node, msg.task_id, "load", False, exc.message)
+        log.info("task %s loaded (%s, %d bytes for layers [%d, %d))", msg.task_id, pet.pet_type, bound.nbytes,
+                 self.engine.layer_start, self.engine.layer_end)  # fmt: skip
+        return wire.TaskStatus(node, msg.task_id, "load", True, nbytes=int(bound.nbytes))
+
     # -- data plane -----------------------------------------------------------------------------
 
     def _on_data_frames(self, frames: list[Any]) -> None:
@@ -384,7 +423,7 @@ class NodeAgent:
             a = msg.admit
             if a.hop == 0 or a.pipeline[a.hop].node_id != self.config.node_id:
                 raise ProtocolError(f"ACTIVATIONS for {rid!r}: hop {a.hop} of its pipeline is not this node")
-            route = _Route(a.pipeline, a.hop, a.sampling, a.max_tokens, a.prompt_tokens, a.reply_to)
+            route = _Route(a.pipeline, a.hop, a.sampling, a.max_tokens, a.prompt_tokens, a.reply_to, a.task)
             if not self._add(rid, route, prompt=None):
                 return
         try:
@@ -401,7 +440,7 @@ class NodeAgent:
         try:
             self.engine.add_request(rid, sampling_params(route.sampling, route.max_tokens),
                                     prompt_token_ids=prompt, prompt_len=route.prompt_tokens,
-                                    layer_range=(me.layer_start, me.layer_end))
+                                    layer_range=(me.layer_start, me.layer_end), task=route.task or None)
         except CapacityError as exc:
             self._refuse(rid, route, "capacity", exc.message)
             return False
@@ -452,7 +491,7 @@ class NodeAgent:
         admit = None
         if not route.forwarded:
             admit = wire.AdmitInfo(route.hop + 1, route.prompt_tokens, route.max_tokens, route.sampling,
-                                   route.pipeline, route.reply_to)
+                                   route.pipeline, route.reply_to, route.task)
         position, route.sent_tokens = route.sent_tokens, route.sent_tokens + shape[0]
         self._out(nxt.address, wire.Activations(rid, route.step, position, self.config.wire_dtype, shape, data, admit))
         route.forwarded = True

@@ -3,7 +3,8 @@
 :class:`AgentsIO` owns one background I/O thread and every ZeroMQ socket of the coordinator:
 
 * one DEALER per agent to its control socket: the shared-secret handshake (HELLO -> CHALLENGE ->
-  AUTH -> WELCOME, both sides prove the secret), then ADMIT / STEP / CANCEL out and HEARTBEATs in;
+  AUTH -> WELCOME, both sides prove the secret), then ADMIT / STEP / CANCEL and LOAD_TASK /
+  UNLOAD_TASK out, HEARTBEATs and TASK_STATUS in;
 * one PULL (the data plane's sink) where last stages push TOKENS and any stage pushes REFUSED.
 
 A request is ADMITted to its pipeline's first stage; every token that comes back is handed to
@@ -75,9 +76,11 @@ class AgentsIO:
                  on_token: TokenCallback | None = None,
                  on_agent_dead: Callable[[str], None] | None = None,
                  on_agent_alive: Callable[[str, wire.Welcome], None] | None = None,
+                 on_task_status: Callable[[wire.TaskStatus], None] | None = None,
                  max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES) -> None:  # fmt: skip
         self.secret, self.name, self.dead_after_s = secret, name, dead_after_s
         self.on_token, self.on_agent_dead, self.on_agent_alive = on_token, on_agent_dead, on_agent_alive
+        self.on_task_status = on_task_status
         self.max_frame_bytes = max_frame_bytes
         self.ctx: zmq.Context[Any] = zmq.Context()
         self.sink = self.ctx.socket(zmq.PULL)
@@ -148,9 +151,10 @@ class AgentsIO:
                     for n, a in self._agents.items() if a.alive and (hb := a.heartbeat) is not None}  # fmt: skip
 
     def submit(self, request_id: str, prompt_ids: list[int], sampling: wire.SamplingSpec, pipeline: Any, *,
-               max_tokens: int, on_token: TokenCallback | None = None) -> None:
+               max_tokens: int, on_token: TokenCallback | None = None, task: str = "") -> None:
         """Start a request on ``pipeline`` (a ``router.pipeline.Pipeline`` or a sequence of stages with
-        ``node``/``node_id``, ``layer_start``, ``layer_end``). Events go to ``on_token`` (or the default).
+        ``node``/``node_id``, ``layer_start``, ``layer_end``), running fine-tuned ``task`` ("" = the base
+        model). Events go to ``on_token`` (or the default).
 
         Raises ``NoRouteError`` if a stage's agent is not alive, ``RequestError`` for a bad request.
         """
@@ -167,12 +171,17 @@ class AgentsIO:
             flight = _Flight(request_id, f"{request_id}@{self._session}.{next(self._attempts)}", stages, on_token)
             self._flights[request_id] = flight
             self._by_wire[flight.wire_id] = flight
-        admit = wire.Admit(flight.wire_id, tuple(prompt_ids), max_tokens, sampling, stages, self.reply_to)
+        admit = wire.Admit(flight.wire_id, tuple(prompt_ids), max_tokens, sampling, stages, self.reply_to, task)
         self._call(lambda: self._send(stages[0].node_id, admit))
 
     def cancel(self, request_id: str) -> None:
         """Stop a request on every stage and free its KV; its callback gets a ``cancelled`` event."""
         self._call(lambda: self._end(request_id, "cancelled"))
+
+    def send_task(self, node_id: str, msg: wire.LoadTask | wire.UnloadTask) -> None:
+        """Send LOAD_TASK / UNLOAD_TASK to ``node_id``; its TASK_STATUS goes to ``on_task_status`` (a
+        failed one at once if the agent is not connected)."""
+        self._call(lambda: self._send_task(node_id, msg))
 
     # -- internals (I/O thread unless noted) ----------------------------------------------------
 
@@ -260,6 +269,19 @@ class AgentsIO:
                 if flight is not None:
                     self._fail(flight, "agent_dead", f"node {node_id!r} is not reachable", node_id)
 
+    def _send_task(self, node_id: str, msg: wire.LoadTask | wire.UnloadTask) -> None:
+        agent = self._agents.get(node_id)
+        if agent is None or not agent.alive or not self._send_raw(agent, msg):
+            op = "load" if isinstance(msg, wire.LoadTask) else "unload"
+            self._task_status(wire.TaskStatus(node_id, msg.task_id, op, False, f"node {node_id!r} is not connected"))
+
+    def _task_status(self, status: wire.TaskStatus) -> None:
+        if self.on_task_status is not None:
+            try:
+                self.on_task_status(status)
+            except Exception:  # a caller's bug must not kill the I/O thread
+                log.exception("task status callback failed")
+
     def _on_control(self, agent: AgentState, frames: list[Any]) -> None:
         try:
             msg = wire.decode(frames, max_frame_bytes=self.max_frame_bytes)
@@ -293,6 +315,8 @@ class AgentsIO:
             log.warning("agent %s: error %s: %s", agent.node_id, msg.code, msg.reason)
         elif isinstance(msg, wire.Tokens | wire.Refused):
             self._on_result(msg)
+        elif isinstance(msg, wire.TaskStatus) and msg.node_id == agent.node_id:
+            self._task_status(msg)
 
     def _on_sink(self, frames: list[Any]) -> None:
         try:

@@ -1,7 +1,9 @@
 """The coordinator's HTTP face: an OpenAI-compatible FastAPI app.
 
 Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (server-sent events when
-``stream`` is true), ``GET /v1/models``, ``GET /health`` (200 only while a complete pipeline
+``stream`` is true; ``model`` names the base model or a fine-tuned task), ``GET /v1/models`` (the
+base model and every task, with its ``parent``), ``POST /v1/load_lora_adapter`` and
+``/v1/unload_lora_adapter`` (:mod:`router.task_routes`), ``GET /health`` (200 only while a complete pipeline
 exists, else 503), ``GET /metrics`` (Prometheus text). Optional Bearer API keys guard ``/v1``.
 Every error is an OpenAI-style body ``{"error": {"message", "type", "param", "code"}}`` with
 the status of the :class:`~helix.errors.HelixError` behind it. The app is a thin wrapper: the
@@ -51,6 +53,7 @@ from router.openai_schema import (
 )
 from router.pipeline import Pipeline
 from router.request_state import Finish, GenerationRequest, RequestHandle
+from router.task_routes import add_task_routes
 
 log = logging.getLogger(__name__)
 
@@ -111,8 +114,10 @@ class _Guard:
         return None
 
 
-def create_app(coordinator: Coordinator, *, api_keys: Sequence[str] = (), lifespan: Any = None) -> FastAPI:
-    """The FastAPI app serving ``coordinator``; ``api_keys`` (if any) are required on ``/v1``."""
+def create_app(coordinator: Coordinator, *, api_keys: Sequence[str] = (), lifespan: Any = None,
+               task_admin_without_key: bool = True) -> FastAPI:
+    """The FastAPI app serving ``coordinator``; ``api_keys`` (if any) are required on ``/v1``. Without
+    keys, loading and unloading tasks is refused unless ``task_admin_without_key`` (a loopback server)."""
     app = FastAPI(title="Helix coordinator", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.coordinator = coordinator
 
@@ -146,7 +151,12 @@ def create_app(coordinator: Coordinator, *, api_keys: Sequence[str] = (), lifesp
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=name, created=coordinator.started_s) for name in coordinator.model_names])
+        base = [ModelCard(id=name, created=coordinator.started_s) for name in coordinator.model_names]
+        tasks = [ModelCard(id=t.name, created=t.created_s, parent=coordinator.model_names[0])
+                 for t in coordinator.tasks.ready()]  # fmt: skip
+        return ModelList(data=base + tasks)
+
+    add_task_routes(app, coordinator, open_without_key=task_admin_without_key or bool(api_keys))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -201,9 +211,13 @@ async def _parse(request: Request, model: type[BaseModel], coordinator: Coordina
     except ValidationError as exc:
         message, param = describe_validation_errors(list(exc.errors()))
         raise HTTPError(400, message, param=param) from exc
-    if body.model not in coordinator.model_names:  # type: ignore[attr-defined]
-        raise HTTPError(404, f"the model '{body.model}' does not exist here; this server serves "  # type: ignore[attr-defined]
-                        f"{', '.join(coordinator.model_names)}", param="model", code="model_not_found")
+    name = body.model  # type: ignore[attr-defined]
+    if name not in coordinator.model_names and coordinator.tasks.servable(name) is None:
+        tasks = len(coordinator.tasks.ready())
+        raise HTTPError(404, f"the model '{name}' does not exist here; this server serves "
+                        f"{', '.join(coordinator.model_names)}" + (f" and {tasks} fine-tuned tasks (GET /v1/models)"
+                                                                   if tasks else ""),
+                        param="model", code="model_not_found")  # fmt: skip
     return body
 
 
@@ -231,7 +245,8 @@ def _generation(coordinator: Coordinator, body: Any, prompt_ids: list[int], *, d
     return GenerationRequest(prompt_ids=prompt_ids, max_tokens=max_tokens, temperature=body.temperature,
                              top_p=body.top_p, seed=body.seed, stop=tuple(body.stop_strings),
                              presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-                             logit_bias=body.logit_bias_pairs, grammar=body.grammar)
+                             logit_bias=body.logit_bias_pairs, grammar=body.grammar,
+                             task="" if body.model in coordinator.model_names else body.model)
 
 
 def _helix_info(pipelines: Sequence[Pipeline]) -> HelixInfo:

@@ -45,6 +45,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens-cap", type=int, default=2048, help="largest max_tokens a request may ask for")
     p.add_argument("--queue-bound", type=int, default=256, help="requests that may wait for a route before 429")
     p.add_argument("--watermark", type=float, default=0.85, help="KV high watermark (fraction of capacity)")
+    p.add_argument("--max-lora-rank", type=int, default=0,
+                   help="refuse LoRA tasks of a higher rank when they are loaded (0: no limit; docs/pets.md)")
     p.add_argument("--dead-after-s", type=float, default=1.8,
                    help="an agent silent this long is dead and its requests move (agents heartbeat every 0.25 s)")
 
@@ -81,8 +83,10 @@ def _api_keys(args: argparse.Namespace) -> list[str]:
 def _options(args: argparse.Namespace, names: list[str] | None = None) -> Any:
     from router.serving import ServeOptions
 
+    if args.max_lora_rank < 0:
+        raise ConfigError(f"must be 0 (no limit) or more, got {args.max_lora_rank}", field="--max-lora-rank")
     return ServeOptions(model_dir=args.model_dir, max_tokens_cap=args.max_tokens_cap, queue_bound=args.queue_bound,
-                        watermark=args.watermark, served_model_names=names or [])
+                        watermark=args.watermark, served_model_names=names or [], max_lora_rank=args.max_lora_rank)
 
 
 def _load(cluster_path: str) -> tuple[Any, Any]:
@@ -118,7 +122,7 @@ def run_serve(args: argparse.Namespace) -> int:
     coordinator = build_coordinator(cluster, plan, profiles, _options(args, args.served_model_name))
     app = create_server_app(coordinator, agent_addresses(cluster, plan, overrides),
                             secret=os.environ.get(args.secret_env, "").encode(), api_keys=keys,
-                            dead_after_s=args.dead_after_s)
+                            dead_after_s=args.dead_after_s, loopback=args.host in LOOPBACK)
     server: Any = make_server(app, args.host, args.port)
     print(f"Helix coordinator for {cluster.name} ({plan.model}) at http://{args.host}:{args.port}/v1", flush=True)
     asyncio.run(server.serve())

@@ -22,6 +22,10 @@ The transport is :class:`router.agents_io.AgentsIO` (ZeroMQ, its own I/O thread)
 each ``STEP`` itself as soon as a token arrives (no hop through the event loop); token events
 are handed to this loop with ``call_soon_threadsafe``. A stop string seen here cancels the
 request, so at most one extra step runs on the agents.
+
+Fine-tuned tasks: :class:`router.tasks.TaskRegistry` (``self.tasks``) loads and unloads them on
+the agents; a request naming one carries it to every stage, and counts in the task's requests
+in flight from admission to its end (an unloading task waits for them).
 """
 
 from __future__ import annotations
@@ -33,8 +37,8 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Container, Mapping
 
-from helix.errors import CapacityError, HelixError, NoRouteError, OverloadedError
-from helix.wire import SamplingSpec, Welcome
+from helix.errors import CapacityError, HelixError, NoRouteError, OverloadedError, UnknownTaskError
+from helix.wire import SamplingSpec, TaskStatus, Welcome
 from router.agent_events import TokenEvent
 from router.agents_io import AgentsIO
 from router.metrics import ServingMetrics
@@ -42,6 +46,7 @@ from router.pipeline import Pipeline, build_pipeline
 from router.policy import Router, RouteRequest
 from router.request_state import Finish, Flight, GenerationRequest, RequestHandle
 from router.stops import StopMatcher
+from router.tasks import TaskRegistry
 from router.tokenizer import ChatTokenizer, IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
@@ -55,7 +60,7 @@ class Coordinator:
 
     def __init__(self, router: Router, tokenizer: ChatTokenizer, *, model_names: list[str],
                  max_context_tokens: int, max_tokens_cap: int, planned_flows: Mapping[tuple[str, str], float],
-                 queue_bound: int = 256, admission_timeout_s: float = 30.0) -> None:
+                 queue_bound: int = 256, admission_timeout_s: float = 30.0, max_lora_rank: int = 0) -> None:
         self.router = router
         self.tokenizer = tokenizer
         self.model_names = model_names
@@ -74,6 +79,8 @@ class Coordinator:
         self._pipeline_edges: dict[tuple[str, ...], tuple[tuple[str, str], ...]] = {}
         self._ready = False
         self._stop_ids = tuple(sorted(tokenizer.eos_token_ids))
+        self.tasks = TaskRegistry(model_names, self.nodes, max_lora_rank=max_lora_rank)
+        self.startup_tasks: list[tuple[str, str]] = []  # (name, directory): loaded once the agents are connected
         for node in self.nodes:  # no node is usable before its agent completes the handshake
             router.mark_dead(node)
 
@@ -82,6 +89,7 @@ class Coordinator:
     def attach(self, io: AgentsIO, loop: asyncio.AbstractEventLoop) -> None:
         """Use ``io`` (its callbacks must be :meth:`agent_dead_threadsafe` / :meth:`agent_alive_threadsafe`)."""
         self.io, self.loop = io, loop
+        self.tasks.send, self.tasks.alive = lambda node, msg: io.send_task(node, msg), io.alive_nodes
         for node in io.alive_nodes():
             self.router.mark_alive(node)
         self._ready = self.router.has_route()
@@ -93,6 +101,17 @@ class Coordinator:
     def agent_alive_threadsafe(self, node: str, welcome: Welcome) -> None:
         if self.loop is not None:
             self.loop.call_soon_threadsafe(self.on_agent_alive, node, welcome)
+
+    def task_status_threadsafe(self, status: TaskStatus) -> None:
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.tasks.on_status, status)
+
+    async def load_startup_tasks(self, timeout_s: float = 300.0) -> None:
+        """Background task: once every agent is connected (or after ``timeout_s``), load the tasks listed at start."""
+        deadline = time.monotonic() + timeout_s
+        while self.io is not None and not set(self.nodes) <= self.io.alive_nodes() and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        await self.tasks.load_all(self.startup_tasks)
 
     async def watch_kv(self, interval_s: float = 0.25) -> None:
         """Background task: fold the agents' KV reports into the router, wake waiting requests."""
@@ -109,7 +128,8 @@ class Coordinator:
 
     def health_details(self) -> dict[str, object]:
         return {"nodes": {n: n not in self.router.dead for n in self.nodes},
-                "running": len(self._by_wire), "waiting": len(self._waiting)}
+                "running": len(self._by_wire), "waiting": len(self._waiting),
+                "tasks": {t.name: str(t.state) for t in self.tasks.tasks.values()}}
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -122,13 +142,24 @@ class Coordinator:
                         detok=IncrementalDetokenizer(self.tokenizer), stops=StopMatcher(gen.stop),
                         arrival_s=time.monotonic())
         self.metrics.prompt_tokens.inc(len(gen.prompt_ids))
+        if gen.task:
+            if self.tasks.servable(gen.task) is None:
+                raise UnknownTaskError(f"the model '{gen.task}' does not exist here (no such task is loaded)",
+                                       task=gen.task)  # fmt: skip
+            self.tasks.started(gen.task)
+            flight.holds_task = True
+        label = gen.task or self.model_names[0]
+        self.metrics.task_requests.labels(label).inc()
+        self.metrics.task_tokens_add(label, "prompt", len(gen.prompt_ids))
         if not self._waiting and self._try_start(flight):
             return RequestHandle(self, flight)
         if not self._can_ever_fit(len(gen.prompt_ids) + gen.max_tokens):
+            self._let_go_of_task(flight)
             self.metrics.rejected.labels("too_large").inc()
             raise CapacityError(f"a request of {len(gen.prompt_ids)} prompt + {gen.max_tokens} output tokens does "
                                 "not fit in the KV cache of any pipeline; shorten the prompt or lower max_tokens")
         if len(self._waiting) >= self.queue_bound:
+            self._let_go_of_task(flight)
             self.metrics.rejected.labels("queue_full").inc()
             raise OverloadedError(f"the server is at capacity ({len(self._by_wire)} running, {len(self._waiting)} "
                                   "waiting); retry later", retry_after_s=self._retry_after_s())
@@ -180,7 +211,7 @@ class Coordinator:
         sampling = self._sampling(flight)
         try:
             self.io.submit(wire_id, prompt, sampling, pipeline, max_tokens=remaining,
-                           on_token=self._callback(flight, wire_id))
+                           on_token=self._callback(flight, wire_id), task=flight.gen.task)
         except NoRouteError:  # an agent died a moment ago; its death notice is on its way
             self.router.finish(flight.request_id)
             return False
@@ -252,6 +283,7 @@ class Coordinator:
         flight.attempt_tokens += 1
         flight.output_ids.append(event.token_id)
         self.metrics.generated_tokens.inc()
+        self.metrics.task_tokens_add(flight.gen.task or self.model_names[0], "generated", 1)
         is_eos = event.token_id in self.tokenizer.eos_token_ids
         text = "" if is_eos else flight.stops.feed(flight.detok.push(event.token_id))
         if text:
@@ -322,7 +354,13 @@ class Coordinator:
             return
         flight.done = True
         self._drop_attempt(flight)
+        self._let_go_of_task(flight)
         self._drain_waiting()
+
+    def _let_go_of_task(self, flight: Flight) -> None:
+        if flight.holds_task:
+            flight.holds_task = False
+            self.tasks.finished(flight.gen.task)
 
     def _drop_attempt(self, flight: Flight) -> None:
         if flight.pipeline is not None and self._by_wire.pop(flight.wire_id, None) is not None:
@@ -347,6 +385,7 @@ class Coordinator:
         if node in self.router.dead:
             return
         log.warning("agent %s is dead: masking it", node)
+        self.tasks.on_agent_dead(node)
         self.router.mark_dead(node)
         self._ready = self.router.has_route()
         moved = [f for f in self._by_wire.values() if f.pipeline is not None and node in f.pipeline.nodes]
@@ -371,6 +410,7 @@ class Coordinator:
                 return
             self.router.report_kv(node, used=0.0, capacity=float(welcome.kv_capacity_tokens * (end - start)))
         log.info("agent %s is alive", node)
+        self.tasks.on_agent_alive(node)  # sent before any request is routed through it
         self.router.mark_alive(node)
         self._ready = self.router.has_route()
         self._drain_waiting()

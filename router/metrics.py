@@ -102,6 +102,11 @@ class ServingMetrics:
         self._response_counters: dict[tuple[str, int], Any] = {}
         self.prompt_tokens = Counter("helix_prompt_tokens", "Prompt tokens admitted", registry=r)
         self.generated_tokens = Counter("helix_generated_tokens", "Tokens generated and returned", registry=r)
+        self.task_requests = Counter("helix_task_requests", "Generation requests admitted, by task (a fine-tuned "
+                                     "task's name, or the base model's)", ["task"], registry=r)
+        self.task_tokens = Counter("helix_task_tokens", "Tokens by task (a fine-tuned task's name, or the base "
+                                   "model's) and kind (prompt, generated)", ["task", "kind"], registry=r)
+        self._task_counters: dict[tuple[str, str], Any] = {}
         self.ttft = Histogram("helix_time_to_first_token_seconds", "Time from arrival to first token",
                               buckets=LATENCY_BUCKETS_S, registry=r)
         self.tpot = Histogram("helix_time_per_output_token_seconds", "Time between output tokens of a request",
@@ -143,6 +148,13 @@ class ServingMetrics:
             if counter is None:
                 counter = counters[edge] = self.edge_tokens.labels(*edge)
             counter.inc(tokens)
+
+    def task_tokens_add(self, task: str, kind: str, tokens: int) -> None:
+        """Count ``tokens`` of ``kind`` (prompt, generated) for ``task`` (labels looked up once per pair)."""
+        counter = self._task_counters.get((task, kind))
+        if counter is None:
+            counter = self._task_counters[task, kind] = self.task_tokens.labels(task, kind)
+        counter.inc(tokens)
 
     def response(self, route: str, code: int) -> None:
         """Count one HTTP response (``route``: a bounded set of names, never a raw client path)."""

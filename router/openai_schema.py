@@ -404,6 +404,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "helix"
+    parent: str | None = None  # a fine-tuned task: the base model it runs on (vLLM's field); the base: null
 
 
 class ModelList(BaseModel):

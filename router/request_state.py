@@ -38,6 +38,7 @@ class GenerationRequest:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids checked against the vocabulary
     grammar: str = ""  # llguidance grammar the output follows (response_format); empty: free text
+    task: str = ""  # the fine-tuned task (router.tasks) the request runs; empty: the base model
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +71,7 @@ class Flight:
     last_token_s: float = 0.0
     done: bool = False
     admitted: asyncio.Future[None] | None = None
+    holds_task: bool = False  # counted in its task's requests in flight (router.tasks)
 
 
 class RequestHandle:

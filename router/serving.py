@@ -45,6 +45,7 @@ class ServeOptions:
     admission_timeout_s: float = 30.0
     watermark: float = 0.85
     served_model_names: Sequence[str] = ()
+    max_lora_rank: int = 0  # a LoRA task of a higher rank is refused at registration; 0: no limit
 
 
 def build_coordinator(cluster: ClusterSpec, plan: Plan, profiles: ProfileSet | None,
@@ -62,9 +63,14 @@ def build_coordinator(cluster: ClusterSpec, plan: Plan, profiles: ProfileSet | N
     context = options.max_context_tokens or int(config.get("max_position_embeddings", DEFAULT_CONTEXT_TOKENS))
     router = Router.from_plan(plan, cluster, profiles, num_layers=num_layers, watermark=options.watermark)
     names = list(dict.fromkeys([*options.served_model_names, cluster.model, plan.model]))
-    return Coordinator(router, tokenizer, model_names=names, max_context_tokens=context,
-                       max_tokens_cap=min(options.max_tokens_cap, context), planned_flows=plan_flows(plan, cluster, profiles),
-                       queue_bound=options.queue_bound, admission_timeout_s=options.admission_timeout_s)
+    coordinator = Coordinator(router, tokenizer, model_names=names, max_context_tokens=context,
+                              max_tokens_cap=min(options.max_tokens_cap, context),
+                              planned_flows=plan_flows(plan, cluster, profiles), queue_bound=options.queue_bound,
+                              admission_timeout_s=options.admission_timeout_s, max_lora_rank=options.max_lora_rank)
+    for name, path in cluster.task_paths():  # a bad directory or name stops the start, naming the file
+        coordinator.tasks.check_new(name, path)
+    coordinator.startup_tasks = cluster.task_paths()
+    return coordinator
 
 
 def agent_addresses(cluster: ClusterSpec, plan: Plan, overrides: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -80,8 +86,10 @@ def agent_addresses(cluster: ClusterSpec, plan: Plan, overrides: Mapping[str, st
 
 
 def create_server_app(coordinator: Coordinator, agents: Mapping[str, str], *, secret: bytes = b"",
-                      api_keys: Sequence[str] = (), dead_after_s: float = 1.8) -> FastAPI:
-    """The HTTP app whose lifespan connects ``coordinator`` to ``agents`` (node -> control address).
+                      api_keys: Sequence[str] = (), dead_after_s: float = 1.8, loopback: bool = True) -> FastAPI:
+    """The HTTP app whose lifespan connects ``coordinator`` to ``agents`` (node -> control address) and
+    then loads the tasks listed at start. ``loopback``: the server is bound to loopback only (beyond
+    it, loading and unloading tasks needs an API key).
 
     Agents heartbeat every 0.25 s; one silent for ``dead_after_s`` is dead (noticed within 2 s).
     """
@@ -91,17 +99,20 @@ def create_server_app(coordinator: Coordinator, agents: Mapping[str, str], *, se
         coordinator.loop = asyncio.get_running_loop()
         io = AgentsIO(dict(agents), secret=secret, dead_after_s=dead_after_s,
                       on_agent_dead=coordinator.agent_dead_threadsafe,
-                      on_agent_alive=coordinator.agent_alive_threadsafe)
+                      on_agent_alive=coordinator.agent_alive_threadsafe,
+                      on_task_status=coordinator.task_status_threadsafe)
         coordinator.attach(io, coordinator.loop)
         io.start()
         watcher = asyncio.create_task(coordinator.watch_kv())
+        startup = asyncio.create_task(coordinator.load_startup_tasks())
         try:
             yield
         finally:
             watcher.cancel()
+            startup.cancel()
             io.close()
 
-    return create_app(coordinator, api_keys=api_keys, lifespan=lifespan)
+    return create_app(coordinator, api_keys=api_keys, lifespan=lifespan, task_admin_without_key=loopback)
 
 
 def check_port_free(host: str, port: int, *, flag: str = "--port") -> None:

@@ -46,6 +46,12 @@ MESSAGES: list[wire.Message] = [
     wire.Activations("r1", 0, 16, "bfloat16", (3, 2), b"\x01\x02" * 6,
                      wire.AdmitInfo(1, 19, 16, SAMPLING, PIPE, "tcp://127.0.0.1:6000")),
     wire.Tokens("b", (wire.TokenOut("r1", 0, 17), wire.TokenOut("r2", 4, 2, True, "stop"))),
+    wire.Admit("r3", (5,), 1, wire.SamplingSpec(), PIPE, task="sql-lora"),
+    wire.Activations("r3", 0, 0, "float32", (2, 3), HIDDEN, wire.AdmitInfo(1, 2, 1, SAMPLING, PIPE, task="sql-lora")),
+    wire.LoadTask("sql-lora", "/srv/tasks/sql-lora", 16),
+    wire.UnloadTask("sql-lora"),
+    wire.TaskStatus("a", "sql-lora", "load", False, "adapter_model.safetensors: model.layers.3...: shape"),
+    wire.TaskStatus("a", "sql-lora", "unload", True, nbytes=4096),
 ]
 
 

@@ -115,6 +115,12 @@ def vllm_serving_cluster(tmp_path_factory: pytest.TempPathFactory, demo_cluster:
     yield from serve_cluster(tmp_path_factory, vllm_cluster)
 
 
+@pytest.fixture(scope="session")
+def cluster_server() -> Callable[[pytest.TempPathFactory, Path], Iterator[ServingCluster]]:
+    """:func:`serve_cluster`, for a test module that serves a cluster file of its own."""
+    return serve_cluster
+
+
 def serve_cluster(tmp_path_factory: pytest.TempPathFactory, demo_cluster: Path) -> Iterator[ServingCluster]:
     """Agents of the test placement for ``demo_cluster``'s nodes and a coordinator serving them."""
     from helix.plan import load_plan

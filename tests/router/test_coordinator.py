@@ -31,7 +31,7 @@ class RecordingIO:
     def alive_nodes(self) -> set[str]:
         return set(PLACEMENT)
 
-    def submit(self, wire_id, prompt_ids, sampling, pipeline, *, max_tokens, on_token) -> None:
+    def submit(self, wire_id, prompt_ids, sampling, pipeline, *, max_tokens, on_token, task="") -> None:
         self.submitted[wire_id] = pipeline
         self.callbacks[wire_id] = on_token
 
@@ -88,7 +88,7 @@ def test_masked_requests_wait_then_overflow_gets_429() -> None:
         second.cancel()
         third.cancel()
         assert not coord.router.pipelines and coord.health_details() == {
-            "nodes": dict.fromkeys(PLACEMENT, True), "running": 0, "waiting": 0}
+            "nodes": dict.fromkeys(PLACEMENT, True), "running": 0, "waiting": 0, "tasks": {}}
 
     asyncio.run(scenario())
 
