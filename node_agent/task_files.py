@@ -133,7 +133,7 @@ def _assemble_sparse(tensors: dict[str, torch.Tensor], config: ModelConfig, pet_
                                     and 0 <= int(cols.min()) and int(cols.max()) < shape[1]):  # fmt: skip
             raise PETError(f"indices outside the base weight's shape {list(shape)} (a mask or delta of the wrong "
                            f"size)", tensor=f"{name}.indices")  # fmt: skip
-        out[name] = torch.sparse_coo_tensor(torch.stack([rows, cols]), values, shape).coalesce()
+        out[name] = torch.sparse_coo_tensor(torch.stack([rows, cols]), values, shape, check_invariants=True).coalesce()
     return out
 
 
