@@ -371,3 +371,21 @@ def test_task_routes_need_an_api_key_beyond_loopback(cluster: ServingCluster) ->
     wrong = httpx.post(f"{cluster.base_url}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/"},
                        headers={"Authorization": "Bearer not-the-key"})
     assert wrong.status_code == 401 and API_KEY != "not-the-key"
+
+
+def test_a_restarted_agent_gets_the_tasks_again(cluster: ServingCluster, task_dirs: dict[str, Any],
+                                                prompts: list[list[int]]) -> None:  # fmt: skip
+    """cpu-2 (layers [16, 30)) is killed and restarted empty: the coordinator loads every registered
+    task on it before routing through it, so LoRA requests over cpu-1 -> cpu-2 still match peft."""
+    cluster.agents.kill("cpu-2")
+    cluster.wait_until(lambda: not cluster.health()["nodes"]["cpu-2"], 30, "cpu-2 to be seen dead")
+    cluster.agents.start_one("cpu-2")
+    cluster.agents.wait_ready(timeout_s=240)
+    cluster.wait_until(lambda: cluster.health()["nodes"]["cpu-2"], 60, "cpu-2 back")
+    pipelines: set[tuple[str, ...]] = set()
+    for i in range(6):
+        prompt, ref = prompts[i % 3], task_dirs["ref"]["sql-lora"][i % 3]
+        out = complete(cluster, "sql-lora", prompt)
+        assert out.choices[0].text == expected_text(cluster, ref)
+        pipelines |= {tuple(s["node"] for s in p) for p in out.model_extra["helix"]["pipelines"]}
+    assert ("cpu-1", "cpu-2") in pipelines
