@@ -65,6 +65,10 @@ class AgentProcesses:
     secret: str = ""
     model_dir: str | None = None
     extra_args: tuple[str, ...] = ()
+    # per node: the host its agent binds (default loopback) and a prefix of its command line, e.g.
+    # ``ip netns exec NS`` to run it in an emulated region (helix.netem)
+    bind_hosts: dict[str, str] = field(default_factory=dict)
+    command_prefix: dict[str, list[str]] = field(default_factory=dict)
     agents: dict[str, AgentProcess] = field(default_factory=dict)
 
     def start(self, nodes: Iterable[str]) -> None:
@@ -77,9 +81,10 @@ class AgentProcesses:
         old = self.agents.get(node)
         if old is not None and old.proc.poll() is None:
             raise HelixError(f"agent {node} is already running (pid {old.proc.pid})")
-        bind = old.control_address if old is not None and old.control_address else "tcp://127.0.0.1:*"
-        cmd = [sys.executable, "-m", "helix.cli", "agent", "--cluster", str(self.cluster), "--plan", str(self.plan),
-               "--node", node, "--bind", bind, "--threads", "1", *self.extra_args]
+        host = self.bind_hosts.get(node, "127.0.0.1")
+        bind = old.control_address if old is not None and old.control_address else f"tcp://{host}:*"
+        cmd = [*self.command_prefix.get(node, ()), sys.executable, "-m", "helix.cli", "agent", "--cluster",
+               str(self.cluster), "--plan", str(self.plan), "--node", node, "--bind", bind, "--threads", "1", *self.extra_args]
         if self.model_dir:
             cmd += ["--model-dir", self.model_dir]
         env = {**os.environ, "HELIX_SECRET": self.secret, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}

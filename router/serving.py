@@ -86,18 +86,21 @@ def agent_addresses(cluster: ClusterSpec, plan: Plan, overrides: Mapping[str, st
 
 
 def create_server_app(coordinator: Coordinator, agents: Mapping[str, str], *, secret: bytes = b"",
-                      api_keys: Sequence[str] = (), dead_after_s: float = 1.8, loopback: bool = True) -> FastAPI:
+                      api_keys: Sequence[str] = (), dead_after_s: float = 1.8, loopback: bool = True,
+                      reply_host: str = "127.0.0.1") -> FastAPI:
     """The HTTP app whose lifespan connects ``coordinator`` to ``agents`` (node -> control address) and
     then loads the tasks listed at start. ``loopback``: the server is bound to loopback only (beyond
     it, loading and unloading tasks needs an API key).
 
     Agents heartbeat every 0.25 s; one silent for ``dead_after_s`` is dead (noticed within 2 s).
+    ``reply_host``: where the coordinator binds the socket agents send tokens to (``reply_to``); agents
+    on other hosts (or emulated regions, helix.netem) need an address they can reach.
     """
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         coordinator.loop = asyncio.get_running_loop()
-        io = AgentsIO(dict(agents), secret=secret, dead_after_s=dead_after_s,
+        io = AgentsIO(dict(agents), secret=secret, dead_after_s=dead_after_s, bind_host=reply_host,
                       on_agent_dead=coordinator.agent_dead_threadsafe,
                       on_agent_alive=coordinator.agent_alive_threadsafe,
                       on_task_status=coordinator.task_status_threadsafe)
