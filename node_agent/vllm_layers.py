@@ -3,7 +3,10 @@
 This is the only module that imports vLLM (DESIGN.md). vLLM builds and loads only the stage's
 decoder layers (its pipeline-parallel layer partition, ``get_pp_indices``, is pointed at the
 stage's range while the model is built), with its fused layers: merged QKV and gate/up
-projections, RMSNorm with fused residual add, rotary embedding, SiLU-and-mul. Attention is ours
+projections, RMSNorm with fused residual add, rotary embedding, SiLU-and-mul. On CPU, where
+vLLM's build has no RMSNorm or SiLU-and-mul kernel (its eager layers chain PyTorch ops there and
+its own engine fuses them with ``torch.compile``), the norms and the activation run the node's
+native kernels instead (:class:`NativeRMSNorm`). Attention is ours
 (:class:`~node_agent.model.StepAttention` on our per-request KV cache): every layer's
 ``self_attn.attn`` is replaced, so the scheduler's batch (selective batching, chunked prefill,
 per-request layer sub-ranges) drives vLLM's layers directly. Embedding only where the stage
@@ -48,7 +51,7 @@ from vllm.model_executor.model_loader import get_model  # noqa: E402
 
 from helix.errors import EngineError  # noqa: E402
 from node_agent.config import ModelConfig  # noqa: E402
-from node_agent.model import Segment, StepAttention  # noqa: E402
+from node_agent.model import Segment, StepAttention, rms_norm, silu_mul  # noqa: E402
 from node_agent.pets import TaskRows  # noqa: E402
 
 VLLM_VERSION: str = vllm.__version__
@@ -83,6 +86,41 @@ class HelixAttention(nn.Module):
                               k.view(t, n_kv, d), v.view(t, n_kv, d))  # fmt: skip
 
 
+class NativeRMSNorm(nn.Module):
+    """Stands in for vLLM's ``RMSNorm`` on CPU: the same call (``norm(x)``, or ``norm(x, residual)``
+    returning ``(norm(x + residual), x + residual)``) through the node's native kernel.
+
+    vLLM's CPU build has no RMSNorm kernel: in eager mode its layer runs six PyTorch ops, and vLLM's
+    own engine recovers the fusion only by ``torch.compile``. Our float32 kernel
+    (:func:`node_agent.model.rms_norm`; PyTorch's ``F.rms_norm`` for other dtypes) does it in one pass.
+    """
+
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.weight, self.eps = weight, eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        stream = x + residual
+        return rms_norm(stream, self.weight, self.eps), stream
+
+
+class NativeSiluAndMul(nn.Module):
+    """Stands in for vLLM's ``SiluAndMul`` on CPU, where vLLM runs it as two PyTorch ops in eager mode."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return silu_mul(x)
+
+
+def _native_cpu_elementwise(layer: nn.Module) -> None:
+    """Swap a decoder layer's norms and activation for the native CPU kernels (see :class:`NativeRMSNorm`)."""
+    for name in ("input_layernorm", "post_attention_layernorm"):
+        norm = getattr(layer, name)
+        setattr(layer, name, NativeRMSNorm(norm.weight.data, norm.variance_epsilon))
+    layer.mlp.act_fn = NativeSiluAndMul()
+
+
 class VllmStageModel:
     """Layers ``[start, end)`` built by vLLM; the same contract as :class:`node_agent.model.StageModel`."""
 
@@ -98,11 +136,15 @@ class VllmStageModel:
         for i in range(start, end):
             layer = model.model.layers[i]
             layer.self_attn.attn = HelixAttention(i, self._step, attention, config.num_kv_heads)
+            if self.device.type == "cpu":
+                _native_cpu_elementwise(layer)
             self.layers[i] = layer
         self.is_last = end == config.num_layers
         keeps_embedding = start == 0 or (self.is_last and config.tie_word_embeddings)
         self.embed_tokens: nn.Module | None = model.model.embed_tokens if start == 0 else None
         self.final_norm: nn.Module | None = model.model.norm if self.is_last else None
+        if self.final_norm is not None and self.device.type == "cpu":
+            self.final_norm = NativeRMSNorm(self.final_norm.weight.data, self.final_norm.variance_epsilon)
         self.lm_head: nn.Module | None = model.lm_head if self.is_last else None
         self._logits_processor = model.logits_processor
         if not keeps_embedding:  # vLLM built it (one pipeline rank holds everything): free it

@@ -103,6 +103,11 @@ def test_stage_loads_only_its_layers(tiny_llama: tuple[Path, Any], backend: str)
         built = [type(layer).__name__ for layer in middle._model.model.layers]
         assert built == ["PPMissingLayer", "LlamaDecoderLayer", "LlamaDecoderLayer", "PPMissingLayer"]
         assert all(type(layer.self_attn.attn).__name__ == "HelixAttention" for layer in middle.layers.values())
+        # on CPU the norms and the activation run the native kernels (vLLM's CPU build has none)
+        assert {type(m).__name__ for layer in middle.layers.values()
+                for m in (layer.input_layernorm, layer.post_attention_layernorm, layer.mlp.act_fn)} == {
+            "NativeRMSNorm", "NativeSiluAndMul"}
+        assert type(last.final_norm).__name__ == "NativeRMSNorm"
 
 
 @pytest.mark.vllm
