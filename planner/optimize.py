@@ -16,7 +16,9 @@ The paper's MILP is weak for open-source solvers; we split the work (docs/planne
    model's best few placements, and small moves of the best, are judged by a short run of our
    simulator under the plan's and the judge's flows; the search returns the one whose lower
    simulated decode tok/s is highest (``score["simulated_decode_tok_s"]`` and
-   ``["simulated_judge_decode_tok_s"]``). It gets :data:`SIMULATE_SHARE` of the time limit.
+   ``["simulated_judge_decode_tok_s"]``). It gets :data:`SIMULATE_SHARE` of the time limit, and
+   all the search before it leaves: with it, the search's default stall window is
+   ``planner.budget.STALL_MIN_S``.
 
 One :class:`~planner.budget.Deadline` bounds the whole call: every phase (each MILP, the
 serving evaluation's QP/LP, the bound, the search) gets at most the time left, and
@@ -45,6 +47,7 @@ from planner import bounds, stages
 from planner.budget import (
     BOUND_MET,
     BOUND_REL_TOL,
+    STALL_MIN_S,
     STALLED,
     TIME_LIMIT,
     Clock,
@@ -251,7 +254,10 @@ def optimize(
         target = bound.tok_s / (1 + stop_at_bound_gap) - 1e-9
     if not serving and best.max_flow >= bound.tok_s * (1 - OPTIMAL_TOL):
         target = best.key[0]
-    watch = StallWatch(clock, stall_window_s(limit, stall_s))
+    refining = serving and simulate and simulable(cluster, profiles)
+    # with the simulated refinement after it, the model's search stops after STALL_MIN_S without a gain
+    # unless told otherwise: a simulated candidate is worth more than more of the model's search
+    watch = StallWatch(clock, stall_window_s(limit, stall_s) if stall_s is not None or not refining else STALL_MIN_S)
     stalled = {"yes": False}
 
     def stop() -> bool:
@@ -266,7 +272,6 @@ def optimize(
             anchor[0] = s
             watch.improved()
 
-    refining = serving and simulate and simulable(cluster, profiles)
     reserve = SIMULATE_SHARE * limit if refining else 0.0
     polish = search.within(max(0.0, search.remaining() - reserve), stop=stop)
     if not serving and not ev.coverage_exact and (target is None or best.key[0] < target) and not polish.expired():
