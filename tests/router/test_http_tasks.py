@@ -270,6 +270,21 @@ def test_a_task_loaded_at_runtime_serves_then_unloads_after_its_request_in_fligh
     assert unload(cluster, "mask-task").status_code == 200
 
 
+def test_the_tasks_command_lists_loads_and_unloads(cluster: ServingCluster, task_dirs: dict[str, Any],
+                                                   capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    from helix.cli import main
+
+    url = ["--url", cluster.base_url, "--api-key", API_KEY]
+    assert main(["tasks", *url, "--load", f"cli-mask={task_dirs['root'] / 'mask-task'}"]) == 0
+    assert "Success: task 'cli-mask' (mask) loaded" in capsys.readouterr().out
+    assert main(["tasks", *url]) == 0
+    listing = capsys.readouterr().out
+    assert all(name in listing for name in ("cli-mask", "sql-lora", "diff-task", MODEL))
+    assert main(["tasks", *url, "--unload", "cli-mask"]) == 0 and "cli-mask" not in cluster.coordinator.tasks.tasks
+    assert main(["tasks", *url, "--unload", "cli-mask"]) == 1
+    assert "404: task 'cli-mask' is not loaded" in capsys.readouterr().err
+
+
 # ---- bad input at registration ------------------------------------------------------------------------
 
 
