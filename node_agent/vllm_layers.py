@@ -118,7 +118,8 @@ def _native_cpu_elementwise(layer: nn.Module) -> None:
     for name in ("input_layernorm", "post_attention_layernorm"):
         norm = getattr(layer, name)
         setattr(layer, name, NativeRMSNorm(norm.weight.data, norm.variance_epsilon))
-    layer.mlp.act_fn = NativeSiluAndMul()
+    mlp: Any = layer.mlp
+    mlp.act_fn = NativeSiluAndMul()
 
 
 class VllmStageModel:
