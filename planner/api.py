@@ -77,12 +77,14 @@ def make_plan(
     on_progress: ProgressFn | None = None,
     stall_s: float | None = None,
     deadline: Deadline | None = None,
+    simulate: bool = True,
 ) -> Plan:
     """Plan ``cluster`` with ``method`` and return a checked :class:`Plan`.
 
     The whole call (search, bound, final evaluation) ends by ``deadline`` (default:
     ``time_limit_s`` from now) plus the plan's final check; ``helix`` stops earlier when its
-    incumbent meets the bound or has not improved for ``stall_s`` (``planner.budget``)."""
+    incumbent meets the bound or has not improved for ``stall_s`` (``planner.budget``); its serving
+    objective ends with the simulated refinement (``planner.simulated``) unless ``simulate`` is False."""
     deadline = deadline if deadline is not None else Deadline.after(time_limit_s)
     t0 = deadline.clock()
     if method not in METHODS:
@@ -138,6 +140,7 @@ def make_plan(
             on_progress=on_progress,
             stall_s=stall_s,
             deadline=deadline,
+            simulate=simulate,
         )
         placement = dict(res.placement)
         if res.upper_bound_tok_s is not None:

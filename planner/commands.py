@@ -60,6 +60,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: max(3, a quarter of the time limit); 0: never)")
     p.add_argument("--solver", default="highs", choices=("highs", "cbc", "gurobi"), help="MILP solver (default highs)")
     p.add_argument("--seed", type=int, default=0, help="random seed of the search")
+    p.add_argument("--no-simulate", action="store_true",
+                   help="end the serving search without re-ranking its best placements by short simulations")
     p.add_argument("--compare", action="store_true", help="also show the baselines' max flow beside ours")
     p.add_argument("--json", action="store_true", help="print only the plan JSON to stdout")
     p.add_argument("-o", "--output", metavar="PLAN", help="write the plan to this file (.json or .yaml)")
@@ -155,6 +157,7 @@ def run_plan(args: argparse.Namespace) -> int:
             on_progress=progress,
             stall_s=args.stall_window,
             deadline=deadline,
+            simulate=not args.no_simulate,
         )
     if args.output:
         plan.save(args.output)

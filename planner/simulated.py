@@ -56,6 +56,17 @@ FLOWS = ("plan", "judge")
 
 
 @dataclass(frozen=True, slots=True)
+class Refinement:
+    """The phase's settings (``optimize(..., simulate=Refinement(...))``); the defaults are this module's."""
+
+    warmup_s: float = SIM_WARMUP_S
+    measure_s: float = SIM_MEASURE_S
+    seed: int = SIM_SEED
+    top: int = SIM_TOP
+    patience: int = SIM_PATIENCE
+
+
+@dataclass(frozen=True, slots=True)
 class Simulated:
     """One placement's short simulation: decode tok/s under the plan's and the judge's flows, and the
     worse of the two runs' p50 latencies."""

@@ -3,10 +3,12 @@ model's candidates by our simulator under both flows, the deadline, and clusters
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
 
+from helix.cli import main
 from helix.plan import Plan
 from helix.profile import ProfileSet
 from helix.spec import ClusterSpec
@@ -16,10 +18,10 @@ from planner.instance import Instance, Placement
 from planner.local_search import Evaluator, group_moves, neighbourhood
 from planner.optimize import optimize
 from planner.serving_model import ServingModel
-from planner.simulated import SimScorer, refine, simulable
+from planner.simulated import Refinement, SimScorer, refine, simulable
 from simulator.engine import SimConfig, simulate
 
-from .conftest import DEMO, load
+from .conftest import DEMO, SINGLE24, load
 
 # a short window keeps the tests quick; on single24 it ranks the two stage plans below as 60 + 600 s does
 WARMUP_S, MEASURE_S = 30.0, 120.0
@@ -139,7 +141,8 @@ def test_optimize_reports_and_returns_the_simulated_choice(single24: tuple[Clust
     cluster, profiles = single24
     assert simulable(cluster, profiles)
     said: list[str] = []
-    res = optimize(cluster, profiles, objective="serving", time_limit_s=20, threads=1,
+    quick = Refinement(warmup_s=WARMUP_S, measure_s=MEASURE_S, top=2, patience=1)
+    res = optimize(cluster, profiles, objective="serving", time_limit_s=30, threads=1, simulate=quick,
                    on_progress=lambda p: said.append(p.message))
     assert res.stats["stall_window_s"] == STALL_MIN_S  # the model's search leaves the time to the simulator
     assert res.stats["simulations"] >= 1 and res.stats["simulated_stop"] in ("patience", "exhausted", "time_limit")
@@ -147,3 +150,10 @@ def test_optimize_reports_and_returns_the_simulated_choice(single24: tuple[Clust
     assert res.score["simulated_judge_decode_tok_s"] > 0 and res.score["simulated_decode_tok_s"] > 0
     assert min(res.score["simulated_decode_tok_s"], res.score["simulated_judge_decode_tok_s"]) >= \
         res.stats["model_choice_simulated_tok_s"] - 0.05
+
+
+def test_helix_plan_no_simulate_keeps_the_models_choice(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", str(SINGLE24), "--time-limit", "16", "--threads", "1", "--no-simulate", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["score"]["decode_tok_s"] > 0 and "simulated_decode_tok_s" not in plan["score"]
+    assert "simulations" not in plan["stats"] and plan["stats"]["stall_window_s"] == pytest.approx(4.0, rel=0.05)  # a quarter
