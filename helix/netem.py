@@ -157,6 +157,8 @@ class Wan:
     mtu: int = 1500
     delay: str = "auto"
     burst_bytes: int = 4096  # htb bucket beyond one MTU: how far a link may run ahead of its rate
+    queue_ms: float = 100.0  # a link's buffer, in time at its rate (at least 8 packets): a router's, not a
+    # bottomless FIFO (with one, a heartbeat would wait behind seconds of activations on a slow link)
     token: str = field(default_factory=lambda: f"{os.getpid()}-{secrets.token_hex(3)}")
     delay_method: str = "none"  # what __enter__ chose: none | netem | relay
     _index: dict[str, int] = field(default_factory=dict)
@@ -211,6 +213,11 @@ class Wan:
                     raise WanError(f"could not return to the original namespace: {os.strerror(ctypes.get_errno())}")
         finally:
             os.close(home)
+
+    @property
+    def delay_line_pid(self) -> int | None:
+        """The delay line's process id (its CPU is the emulation's cost), None without one."""
+        return self._relay.pid if self._relay is not None else None
 
     def link_bytes(self, src: str, dst: str) -> int:
         """Bytes (Ethernet frames) the shaped link ``src -> dst`` carried so far (``tc -s class``)."""
@@ -296,9 +303,15 @@ class Wan:
                     _run("tc", "-n", router, "qdisc", "add", "dev", dev, "parent", classid, "netem", "delay",
                          f"{shape.latency_ms}ms", "limit", "100000")  # fmt: skip
                 else:
-                    _run("tc", "-n", router, "qdisc", "add", "dev", dev, "parent", classid, "pfifo", "limit", "10000")
+                    _run("tc", "-n", router, "qdisc", "add", "dev", dev, "parent", classid, "pfifo", "limit",
+                         str(self._queue_packets(shape)))  # fmt: skip
                 _run("tc", "-n", router, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1",
                      "u32", "match", "ip", "src", f"{SUBNET}.{i}.0/24", "flowid", classid)  # fmt: skip
+
+    def _queue_packets(self, shape: LinkShape) -> int:
+        if not shape.bandwidth_gbps:
+            return 10_000
+        return max(8, int(shape.bandwidth_gbps * 1e9 / 8 * self.queue_ms / 1000 / self.mtu))
 
     def _start_delay_line(self) -> None:
         router = self.router
