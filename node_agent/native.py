@@ -1,16 +1,18 @@
 """The engine's native CPU kernels (``torch.ops.helix``), built on first use.
 
-``csrc/cpu_kernels.cpp`` registers three float32 CPU ops that ``node_agent.model`` calls:
+``csrc/cpu_kernels.cpp`` registers four float32 CPU ops that ``node_agent.model`` and ``node_agent.pets`` call:
 
 * ``decode_attention``: all the one-token decodes of a step attend in one call per layer, each
   reading its own cache once (per-request SDPA calls cost ~3x more on CPU);
 * ``rms_norm`` and ``silu_mul``: one pass each where PyTorch's CPU ops chain five and two.
+* ``lora_segments``: the LoRA deltas of every fine-tuned task of a step on one fused linear in one
+  call (Punica's SGMV on CPU), where PyTorch needs two to four ops per task.
 
 It is compiled once per machine with ``torch.utils.cpp_extension`` (g++ and ninja; ~20 s, cached
 under ``~/.cache/torch_extensions`` per CPU model, rebuilt when the source changes); ``make setup``
 builds it ahead (``python -m node_agent.native``). If it cannot be built or loaded (no compiler,
 ``HELIX_NATIVE=0``), :func:`ops` returns ``None`` with a logged reason and the model keeps its
-PyTorch path (per-request SDPA, ``F.rms_norm``, ``F.silu``), which gives the same tokens.
+PyTorch path (per-request SDPA, ``F.rms_norm``, ``F.silu``, per-task LoRA GEMMs), which gives the same tokens.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ def _load() -> Any | None:
         cpp_extension.load(name=library_name(), sources=[str(SOURCE)], extra_cflags=CFLAGS,
                            extra_ldflags=LDFLAGS, is_python_module=False, verbose=False)
         namespace = torch.ops.helix
-        for name in ("decode_attention", "rms_norm", "silu_mul"):
+        for name in ("decode_attention", "rms_norm", "silu_mul", "lora_segments"):
             getattr(namespace, name)  # raises if the library did not register it
         if time.perf_counter() - t0 > 2:
             log.info("built the native CPU kernels in %.0f s", time.perf_counter() - t0)

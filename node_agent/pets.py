@@ -59,6 +59,7 @@ import torch
 import torch.nn.functional as F
 
 from helix.errors import PETError
+from node_agent import native
 from node_agent.config import ModelConfig
 from node_agent.kernels import Linear
 
@@ -377,26 +378,30 @@ Rows = slice | torch.Tensor  # a task's rows in a step: one span, or the indices
 class SiteDelta:
     """``Δ(x) = x·A·B·s + x·Sᵀ + b`` of one task on one fused linear of the stage (``qkv``...).
 
-    LoRA's ``A`` of every stacked module is one ``[in, Σr]`` matrix (one GEMM for the site); each
-    module's ``B`` writes its own columns of the fused output.
+    LoRA's ``A`` of every stacked module is one ``[Σr, in]`` matrix (one GEMM for the site); each
+    module's ``B`` writes its own columns of the fused output. ``lora_blocks`` / ``lora_bs`` /
+    ``lora_scales`` say the same as ``lora_b`` in the form of the batched kernel (:func:`add_site_deltas`).
     """
 
     out_features: int
-    lora_a: torch.Tensor | None = None  # [in, Σr]
+    lora_a: torch.Tensor | None = None  # [Σr, in] (PEFT's lora_A of each module, stacked)
     lora_b: tuple[tuple[slice, slice, torch.Tensor, float], ...] = ()  # (ranks, output columns, Bᵀ [r, out], s)
     sparse: torch.Tensor | None = None  # CSR [out, in]: δ (diff) and −W⊙M̄ (mask); float32 in any stage dtype
     bias: torch.Tensor | None = None  # [out]
+    lora_blocks: list[int] = field(default_factory=list)  # per module of lora_b: its first rank, its first column
+    lora_bs: list[torch.Tensor] = field(default_factory=list)  # per module: Bᵀ [r, out] (the tensors of lora_b)
+    lora_scales: list[float] = field(default_factory=list)  # per module: s
 
-    def add_to(self, y: torch.Tensor, x: torch.Tensor, rows: Rows) -> None:
-        """``y[rows] += Δ(x[rows])`` in place. Rows in one span (a request alone in its task, or tasks'
-        rows kept together) take no gather and no scatter: each LoRA ``B`` GEMM accumulates straight
-        into its output columns (``addmm_``, the scaling as its ``alpha``)."""
+    def add_to(self, y: torch.Tensor, x: torch.Tensor, rows: Rows, *, lora: bool = True) -> None:
+        """``y[rows] += Δ(x[rows])`` in place (without the LoRA term if not ``lora``). Rows in one span
+        (a request alone in its task, or tasks' rows kept together) take no gather and no scatter: each
+        LoRA ``B`` GEMM accumulates straight into its output columns (``addmm_``, the scaling as its ``alpha``)."""
         if not isinstance(rows, slice):
             y.index_add_(0, rows, self.delta(x[rows]))
             return
         out, xs = y[rows], x[rows]
-        if self.lora_a is not None:
-            xa = xs @ self.lora_a
+        if lora and self.lora_a is not None:
+            xa = xs @ self.lora_a.t()
             for ranks, cols, b, scaling in self.lora_b:
                 out[:, cols].addmm_(xa[:, ranks], b, alpha=scaling)
         if self.sparse is not None:
@@ -408,7 +413,7 @@ class SiteDelta:
         """``Δ`` on the task's rows ``x`` ``[n, in]`` -> ``[n, out]`` (the bias broadcast)."""
         out: torch.Tensor | None = None
         if self.lora_a is not None:
-            xa = x @ self.lora_a
+            xa = x @ self.lora_a.t()
             pieces: list[torch.Tensor] = []
             col = 0
             for ranks, cols, b, scaling in self.lora_b:
@@ -531,13 +536,16 @@ def _bind_site(config: ModelConfig, layer: int, lp: LayerPET, modules: tuple[str
     in_features = module_shape(config, modules[0])[1]
     lora = [(m, lp.lora[m]) for m in modules if m in lp.lora]
     if lora:
-        site.lora_a = put(torch.cat([lw.a for _, lw in lora]).t())
+        site.lora_a = put(torch.cat([lw.a for _, lw in lora]))
         parts, rank = [], 0
         for m, lw in lora:
             r, out = lw.a.shape[0], lw.b.shape[0]
             parts.append((slice(rank, rank + r), slice(offsets[m], offsets[m] + out), put(lw.b.t()), lw.scaling))
+            site.lora_blocks += (rank, offsets[m])
             rank += r
         site.lora_b = tuple(parts)
+        site.lora_bs = [b for _, _, b, _ in parts]
+        site.lora_scales = [s for _, _, _, s in parts]
     if any(m in lp.bias for m in modules):
         site.bias = put(torch.cat([lp.bias[m] if m in lp.bias else torch.zeros(module_shape(config, m)[0])
                                    for m in modules]))  # fmt: skip
@@ -632,12 +640,50 @@ def add_rows(y: torch.Tensor, rows: Rows, delta: torch.Tensor) -> None:
 
 
 def add_site_deltas(y: torch.Tensor, x: torch.Tensor, deltas: LayerRows, site: str) -> torch.Tensor:
-    """``y[rows] += Δ(x[rows])`` for every task with an op on fused linear ``site``; returns ``y``."""
+    """``y[rows] += Δ(x[rows])`` for every task with an op on fused linear ``site``; returns ``y``.
+
+    With the native kernels (float32 CPU rows), the LoRA terms of every task whose rows are one span
+    go in one ``lora_segments`` call (Punica's SGMV: each task's ``A`` and ``B`` read in place, no
+    weight gathered or copied); the rest (scattered rows, sparse deltas, biases) per task.
+    """
+    kernel = _lora_kernel(y, x)
+    if kernel is None:
+        for delta, rows in deltas:
+            op = delta.sites.get(site)
+            if op is not None:
+                op.add_to(y, x, rows)
+        return y
+    a: list[torch.Tensor] = []
+    b: list[torch.Tensor] = []
+    segments: list[int] = []
+    blocks: list[int] = []
+    scales: list[float] = []
     for delta, rows in deltas:
         op = delta.sites.get(site)
-        if op is not None:
+        if op is None:
+            continue
+        if op.lora_a is None or not isinstance(rows, slice):
             op.add_to(y, x, rows)
+            continue
+        segments += (rows.start, rows.stop, len(b), len(op.lora_bs))
+        a.append(op.lora_a)
+        b += op.lora_bs
+        blocks += op.lora_blocks
+        scales += op.lora_scales
+        if op.sparse is not None or op.bias is not None:
+            op.add_to(y, x, rows, lora=False)
+    if a:
+        kernel(y, x, a, b, segments, blocks, scales)
     return y
+
+
+def _lora_kernel(y: torch.Tensor, x: torch.Tensor) -> Callable[..., None] | None:
+    """The native ``lora_segments`` op if it takes these rows (float32 CPU, contiguous rows), else ``None``."""
+    if y.dtype != torch.float32 or x.dtype != torch.float32 or y.device.type != "cpu" or x.device.type != "cpu" \
+            or y.dim() != 2 or x.dim() != 2 or y.stride(1) != 1 or x.stride(1) != 1:
+        return None
+    kernels = native.ops()
+    return None if kernels is None else kernels.lora_segments
 
 
 def add_norm_biases(normed: torch.Tensor, deltas: LayerRows, norm: str) -> torch.Tensor:

@@ -8,6 +8,8 @@
 //   heads of a KV head (grouped-query attention) share each key row.
 // * rms_norm: one pass per row (PyTorch's CPU rms_norm is a chain of five ops).
 // * silu_mul: SiLU(gate) * up of the fused [gate | up] projection, one pass.
+// * lora_segments: the LoRA deltas of all the fine-tuned tasks of a step on one fused linear, one
+//   call per linear and layer (node_agent/pets.py; per task, PyTorch needs two to four ops).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -187,6 +189,83 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+// lora_segments: the LoRA deltas of every task in a step on one fused linear of a layer, in one call
+// (Punica's SGMV, on CPU): y[rows_e, cols_k] += scale_k * (x[rows_e] @ a[e][ranks_k]^T) @ b[k].
+//
+// Entry e is a task's rows [row_start, row_end) of the step and a[e] its [R, in] down-projection of
+// this linear (PEFT's lora_A, the modules of a fused linear stacked: R = their ranks summed); its
+// blocks k = first_block .. first_block + block_count - 1 are its modules: b[k] [r_k, out_k] is a
+// module's up-projection (lora_B transposed), reading ranks [rank_start_k, rank_start_k + r_k) and
+// writing columns [col_start_k, col_start_k + out_k) of y. Entries write disjoint rows. Each row is
+// computed on its own (no blocking across rows), so a row's delta does not depend on the batch.
+void lora_segments(const at::Tensor& y, const at::Tensor& x, at::TensorList a, at::TensorList b,
+                   at::IntArrayRef segments, at::IntArrayRef blocks, at::ArrayRef<double> scales) {
+  check_rows(y, "lora_segments");
+  check_rows(x, "lora_segments");
+  const int64_t T = x.size(0), N = x.size(1), E = static_cast<int64_t>(a.size()), K = static_cast<int64_t>(b.size());
+  TORCH_CHECK(y.size(0) == T, "lora_segments: x and y must have the same rows");
+  TORCH_CHECK(static_cast<int64_t>(segments.size()) == 4 * E, "lora_segments: 4 numbers per entry");
+  TORCH_CHECK(static_cast<int64_t>(blocks.size()) == 2 * K && static_cast<int64_t>(scales.size()) == K,
+              "lora_segments: 2 numbers and one scale per block");
+  for (int64_t e = 0; e < E; ++e) {
+    const at::Tensor& ae = a[e];
+    const int64_t rs = segments[4 * e], re = segments[4 * e + 1], k0 = segments[4 * e + 2], nk = segments[4 * e + 3];
+    TORCH_CHECK(ae.dim() == 2 && ae.scalar_type() == at::kFloat && ae.device().is_cpu() && ae.is_contiguous() &&
+                ae.size(1) == N, "lora_segments: a[", e, "] must be contiguous float32 [R, in]");
+    TORCH_CHECK(0 <= rs && rs <= re && re <= T && 0 <= k0 && nk >= 0 && k0 + nk <= K,
+                "lora_segments: entry ", e, " out of range");
+    for (int64_t k = k0; k < k0 + nk; ++k) {
+      const at::Tensor& bk = b[k];
+      TORCH_CHECK(bk.dim() == 2 && bk.scalar_type() == at::kFloat && bk.device().is_cpu() && bk.is_contiguous(),
+                  "lora_segments: b[", k, "] must be contiguous float32 [r, out]");
+      TORCH_CHECK(blocks[2 * k] >= 0 && blocks[2 * k] + bk.size(0) <= ae.size(0) && blocks[2 * k + 1] >= 0 &&
+                  blocks[2 * k + 1] + bk.size(1) <= y.size(1), "lora_segments: block ", k, " out of range");
+    }
+  }
+  const float* xd = x.data_ptr<float>();
+  float* yd = y.data_ptr<float>();
+  const int64_t xs = x.stride(0), ys = y.stride(0);
+  at::parallel_for(0, E, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> xa;
+    for (int64_t e = begin; e < end; ++e) {
+      const float* ad = a[e].data_ptr<float>();
+      const int64_t R = a[e].size(0), k0 = segments[4 * e + 2], nk = segments[4 * e + 3];
+      xa.resize(R);
+      for (int64_t row = segments[4 * e]; row < segments[4 * e + 1]; ++row) {
+        const float* xr = xd + row * xs;
+        for (int64_t r = 0; r < R; ++r) {  // x·Aᵀ: one contiguous dot product per rank
+          const float* ar = ad + r * N;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t i = 0; i < N; ++i) dot += xr[i] * ar[i];
+          xa[r] = dot;
+        }
+        float* yr = yd + row * ys;
+        for (int64_t k = k0; k < k0 + nk; ++k) {  // each module's (x·Aᵀ)·B into its columns, four ranks a pass
+          const float* bd = b[k].data_ptr<float>();
+          const int64_t rk = b[k].size(0), out = b[k].size(1);
+          const float s = static_cast<float>(scales[k]);
+          float* yc = yr + blocks[2 * k + 1];
+          const float* c = xa.data() + blocks[2 * k];
+          int64_t r = 0;
+          for (; r + 4 <= rk; r += 4) {
+            const float c0 = s * c[r], c1 = s * c[r + 1], c2 = s * c[r + 2], c3 = s * c[r + 3];
+            const float *b0 = bd + r * out, *b1 = b0 + out, *b2 = b1 + out, *b3 = b2 + out;
+#pragma omp simd
+            for (int64_t j = 0; j < out; ++j) yc[j] += c0 * b0[j] + c1 * b1[j] + c2 * b2[j] + c3 * b3[j];
+          }
+          for (; r < rk; ++r) {
+            const float cr = s * c[r];
+            const float* br = bd + r * out;
+#pragma omp simd
+            for (int64_t j = 0; j < out; ++j) yc[j] += cr * br[j];
+          }
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(helix, m) {
@@ -194,10 +273,13 @@ TORCH_LIBRARY(helix, m) {
         "Tensor positions, Tensor cache_layers, float scale) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("lora_segments(Tensor(a!) y, Tensor x, Tensor[] a, Tensor[] b, int[] segments, int[] blocks, "
+        "float[] scales) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(helix, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_mul", &silu_mul);
+  m.impl("lora_segments", &lora_segments);
 }

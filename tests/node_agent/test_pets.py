@@ -426,6 +426,59 @@ def test_one_task_op_on_scattered_rows_is_the_dense_delta(tiny: tuple[Path, Mode
     torch.testing.assert_close(spans[1:3], y[1:3] + x[1:3] @ delta_w.T + bias)
 
 
+def test_the_batched_lora_kernel_equals_each_task_op(tiny: tuple[Path, ModelConfig],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """One ``lora_segments`` call per fused linear for all the tasks of a step (ranks 1 to 8, different
+    modules, per-module scales, a task with a bias and a sparse delta beside its LoRA, a task on scattered
+    rows) adds what each task's own op adds on its rows, and leaves the base rows alone."""
+    from node_agent import native
+
+    _, cfg = tiny
+    kernels = native.ops()
+    assert kernels is not None, native.unavailable_reason()
+    gen = torch.Generator().manual_seed(7)
+
+    layer = 1
+    specs = [(8, pets.ATTENTION_MODULES), (1, ("self_attn.v_proj",)), (4, ("self_attn.q_proj", "self_attn.o_proj")),
+             (3, pets.LINEAR_MODULES)]
+    tasks = [pets.bind_task(f"t{i}", TaskPET.from_tensors("lora", random_lora(cfg, i, r, mods), lora_scaling=0.5 + i),
+                            cfg, 0, 4) for i, (r, mods) in enumerate(specs)]  # fmt: skip
+    k_shape = module_shape(cfg, "self_attn.k_proj")
+    mixed = tasks[3].layers[layer].sites["qkv"]  # the last task also has a bias and a sparse delta on qkv
+    mixed.bias = torch.randn(mixed.out_features, generator=gen)
+    mixed.sparse = (torch.randn(mixed.out_features, k_shape[1], generator=gen)
+                    * (torch.rand(mixed.out_features, k_shape[1], generator=gen) < 0.01)).to_sparse_csr()
+    spans = [(tasks[0], slice(0, 3)), (None, slice(3, 4)), (tasks[1], slice(4, 5)), (tasks[2], slice(5, 13)),
+             (tasks[3], slice(13, 14)), (tasks[0], slice(15, 16)), (None, slice(14, 15))]
+    rows = pets.TaskRows.group(spans, torch.device("cpu"))
+    assert rows is not None and isinstance(rows.groups[0][1], torch.Tensor)  # tasks[0]: rows 0-2 and 15
+    deltas = rows.at(layer)
+    calls: list[int] = []
+    op = kernels.lora_segments
+
+    def counting(*args: Any) -> None:
+        calls.append(len(args[2]))
+        op(*args)
+
+    monkeypatch.setattr(pets, "_lora_kernel", lambda y, x: counting)
+    for site in pets.STAGE_SITES:
+        width = sum(module_shape(cfg, m)[0] for m in pets.STAGE_SITES[site])
+        in_features = module_shape(cfg, pets.STAGE_SITES[site][0])[1]
+        x, y = torch.randn(16, in_features, generator=gen), torch.randn(16, width, generator=gen)
+        got = pets.add_site_deltas(y.clone(), x, deltas, site)
+        want = y.clone()
+        for delta, task_rows in deltas:
+            if site in delta.sites:
+                delta.sites[site].add_to(want, x, task_rows)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(got[[3, 14]], y[[3, 14]])  # the base rows
+        assert not torch.equal(got[13], y[13])  # tasks[3] has an op on every fused linear
+    # one call per fused linear, holding every task on one span (tasks[0]'s scattered rows go alone)
+    assert calls == [3, 2, 1, 1]
+    with pytest.raises(RuntimeError, match=r"lora_segments: entry 0 out of range"):
+        op(torch.zeros(2, 4), torch.zeros(2, 3), [torch.zeros(1, 3)], [torch.zeros(1, 4)], [0, 5, 0, 1], [0, 0], [1.0])
+
+
 def _lora(cfg: ModelConfig, **over: torch.Tensor) -> dict[str, torch.Tensor]:
     tensors = random_lora(cfg, 0, 2, ("self_attn.q_proj",))
     tensors.update(over)
