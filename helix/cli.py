@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("router.commands", "Run the coordinator: an OpenAI-compatible HTTP endpoint."),
     "demo": ("router.commands", "Plan, start and query the local demo cluster end to end."),
     "tasks": ("router.task_cli", "List, load or unload the fine-tuned tasks of a running coordinator."),
+    "keys": ("router.keys_cli", "Write CURVE key pairs (ZeroMQ certificates) for a cluster's coordinator and nodes."),
     "simulate": ("simulator.commands", "Simulate a planned cluster under a workload."),
     "profile": ("profiler.commands", "Measure GPUs and links of a cluster and write its profiles."),
     "init": ("profiler.starter", "Write a commented starter cluster (and estimated profiles) for the GPUs you name."),

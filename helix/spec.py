@@ -10,9 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from helix.errors import ConfigError
+from helix.keys import check_z85_key
 from helix.loading import load_model
 from helix.tasks import TaskSpec
 
@@ -31,7 +32,20 @@ class CoordinatorSpec(_Strict):
         default=None, gt=0, description="Gbit/s (10^9 bits/s): caps the coordinator's total traffic each way; absent: no cap"
     )
     region: str | None = Field(default=None, description="region for `defaults` (absent: same region as every node)")
-    address: str | None = Field(default=None, description="informational: nothing reads it yet (`helix serve --host/--port`)")
+    address: str | None = Field(
+        default=None,
+        description='where agents send tokens, e.g. "tcp://10.0.0.2:5550" (`helix serve` binds its result sink on this '
+        "host, port `*`: any); agents send results to no other host (absent: loopback)",
+    )
+    public_key: str | None = Field(
+        default=None, description="the coordinator's CURVE public key (40 Z85 characters; `helix keys` writes it); "
+        "see `keys_dir`",
+    )
+
+    @field_validator("public_key")
+    @classmethod
+    def _z85(cls, key: str | None) -> str | None:
+        return key if key is None else check_z85_key(key, "public_key")
 
 
 class NodeSpec(_Strict):
@@ -43,7 +57,12 @@ class NodeSpec(_Strict):
         default=None, description="any name; `defaults` link nodes of one region by `intra_region`, others by `inter_region`"
     )
     address: str | None = Field(
-        default=None, description='where the node\'s agent listens, e.g. "tcp://10.0.0.7:5555" (absent: a loopback port)'
+        default=None,
+        description='where the node\'s agent listens, e.g. "tcp://10.0.0.7:5555" (absent: a loopback port); its data '
+        "socket binds the same host, and peers send it activations on no other host",
+    )
+    public_key: str | None = Field(
+        default=None, description="the node's CURVE public key (40 Z85 characters; `helix keys` writes it); see `keys_dir`"
     )
     max_layers: int | None = Field(
         default=None, gt=0,
@@ -62,6 +81,11 @@ class NodeSpec(_Strict):
         description="where the node computes (`cuda`: its GPU; the vLLM backend needs the device its vLLM build "
         "runs on); `helix agent --device` overrides it",
     )
+
+    @field_validator("public_key")
+    @classmethod
+    def _z85(cls, key: str | None) -> str | None:
+        return key if key is None else check_z85_key(key, "public_key")
 
     @property
     def kind(self) -> str:
@@ -121,6 +145,13 @@ class ClusterSpec(_Strict):
     tasks: list[TaskSpec] = Field(
         default=[], description="fine-tuned tasks of `model` served from start (docs/pets.md); more can be loaded "
         "and unloaded at runtime through the coordinator"
+    )
+
+    keys_dir: str | None = Field(
+        default=None,
+        description="directory of CURVE public certificates `<id>.key` (relative to this file; `helix keys` writes "
+        "them); with it or any `public_key`, every socket is encrypted and authenticated (docs/gpu.md); a `public_key` "
+        "wins; absent with no `public_key`: no CURVE",
     )
 
     _source: str = PrivateAttr(default="<cluster>")

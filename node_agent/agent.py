@@ -19,6 +19,14 @@ receiving overlaps computation and a step's results leave without a thread hand-
 message is rejected (ERROR to the sender on the control plane, a log line on the data plane)
 and the agent keeps serving everyone else.
 
+Who may talk to the agent (docs/gpu.md, :mod:`helix.keys`): with the cluster's CURVE keys every
+socket is encrypted; the control socket lets in only the coordinator's key, the data socket only
+the keys of the coordinator and of the nodes that can precede this one in the plan; a refused
+handshake is logged. Results go out only to addresses the cluster file allows: an ADMIT (or a
+first ACTIVATIONS) whose ``reply_to`` or next stage names another host is refused (ERROR, logged)
+and the agent keeps serving; under CURVE each peer is dialled expecting its own public key, so
+even an address on an allowed host gets nothing unless the right key answers.
+
 Fine-tuned tasks (docs/pets.md): LOAD_TASK names a task directory the agent reads itself (the
 coordinator sends no tensors); the engine thread reads only the tensors of the layers this stage
 holds (:func:`node_agent.task_files.load_task_slice`), binds them between two steps and answers
@@ -42,9 +50,17 @@ import zmq
 
 from helix import wire
 from helix.errors import CapacityError, HelixError, PETError, ProtocolError
+from helix.keys import CONTROL, DATA, KeyGuard, KeyPair, PeerPolicy
 from node_agent.step_log import StepLog
 from node_agent.step_meter import StepMeter
-from node_agent.transport import PushPool, configure, frame_tensor, sampling_params, tensor_frame
+from node_agent.transport import (
+    CurveSockets,
+    PushPool,
+    configure,
+    frame_tensor,
+    sampling_params,
+    tensor_frame,
+)
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +103,9 @@ class AgentConfig:
     gather_window_s: float = 0.003
     torch_threads: int | None = None  # set in the engine thread too (OpenMP thread counts are per thread)
     step_log: str | None = None  # write one JSON line per engine step here (StepLog)
+    peers: PeerPolicy | None = None  # the cluster's keys and hosts (helix.keys); None: no checks, no CURVE
+    key_pair: KeyPair | None = None  # this node's CURVE keys (needed when ``peers`` has keys)
+    predecessors: frozenset[str] = frozenset()  # nodes whose activations the data socket lets in (with CURVE)
 
 
 @dataclass(slots=True)
@@ -126,16 +145,19 @@ class NodeAgent:
         self.ctx = ctx or zmq.Context.instance()
         self.control = self.ctx.socket(zmq.ROUTER)
         self.data = self.ctx.socket(zmq.PULL)
-        for sock in (self.control, self.data):
+        self.curve = self._curve_sockets(config)
+        for sock, plane in ((self.control, CONTROL), (self.data, DATA)):
             configure(sock)
             # hard memory guard; frames between the limit and this are rejected by decode (logged)
             sock.setsockopt(zmq.MAXMSGSIZE, 2 * config.max_frame_bytes + 65536)
+            if self.curve is not None:
+                self.curve.serve(sock, plane)
         self.control.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.control.bind(config.control_bind)
         self.data.bind(config.data_bind)
         self.control_address: str = self.control.getsockopt_string(zmq.LAST_ENDPOINT)
         self.data_address: str = self.data.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.peers = PushPool(self.ctx)
+        self.peers = PushPool(self.ctx, self.curve)
         self._routes: dict[str, _Route] = {}
         self._tombstones: OrderedDict[str, None] = OrderedDict()
         self._handshakes: OrderedDict[bytes, tuple[str, bytes, bytes]] = OrderedDict()  # identity -> name, nonces
@@ -161,6 +183,17 @@ class NodeAgent:
         self._step_log = StepLog(config.step_log) if config.step_log else None
         self.failed = False  # the engine thread died with an exception
 
+    def _curve_sockets(self, config: AgentConfig) -> CurveSockets | None:
+        policy = config.peers
+        if policy is None or not policy.curve:
+            return None
+        if config.key_pair is None:
+            raise HelixError(f"node {config.node_id!r}: the cluster has CURVE keys but the agent has no key pair")
+        coordinator = {policy.coordinator: policy.public_keys[policy.coordinator]}
+        senders = {n: policy.public_keys[n] for n in config.predecessors if n in policy.public_keys}
+        guard = KeyGuard(config.node_id, {CONTROL: coordinator, DATA: {**coordinator, **senders}}, policy.public_keys)
+        return CurveSockets(self.ctx, config.key_pair, guard)
+
     # -- lifecycle ------------------------------------------------------------------------------
 
     def install_signals(self) -> None:
@@ -174,6 +207,8 @@ class NodeAgent:
     def close(self) -> None:
         self.control.close(linger=0)
         self.data.close(linger=0)
+        if self.curve is not None:
+            self.curve.close()
         self._wake_r.close()
         self._wake_w.close()
 
@@ -185,6 +220,9 @@ class NodeAgent:
         poller.register(self.control, zmq.POLLIN)
         poller.register(self.data, zmq.POLLIN)
         poller.register(self._wake_r.fileno(), zmq.POLLIN)
+        monitors = self.curve.monitors if self.curve is not None else {}
+        for monitor in monitors:
+            poller.register(monitor, zmq.POLLIN)
         next_hb = time.monotonic()
         try:
             while not self._stopping and engine_thread.is_alive():
@@ -194,6 +232,9 @@ class NodeAgent:
                     self._drain(self.control, self._on_control_frames)
                 if self.data in ready:
                     self._drain(self.data, self._on_data_frames)
+                for monitor in monitors:
+                    if monitor in ready and self.curve is not None:
+                        self.curve.drain_monitor(monitor)
                 self._flush_outbox()
                 self._hand_over()
                 if time.monotonic() >= next_hb:
@@ -224,13 +265,14 @@ class NodeAgent:
             self._arrivals = []
             self._work.set()
 
-    def _out(self, address: str, msg: wire.Message, identity: bytes | None = None) -> None:  # engine thread
-        """Send ``msg`` to a peer (the next stage, a coordinator's sink) from this thread (with a
-        hand-over to the I/O thread a stage-to-stage hop took 1.6 ms median, 3.0 mean on the
-        loaded demo host; without, 0.8 and 1.6); ``""``: the coordinator ``identity`` (None: every
-        one) on the control socket, which the I/O thread owns."""
+    def _out(self, address: str, msg: wire.Message, identity: bytes | None = None, vertex: str = "") -> None:
+        """Send ``msg`` to a peer (the next stage, a coordinator's sink: ``vertex``, whose CURVE key the
+        connection expects) from this thread (with a hand-over to the I/O thread a stage-to-stage hop
+        took 1.6 ms median, 3.0 mean on the loaded demo host; without, 0.8 and 1.6); ``""``: the
+        coordinator ``identity`` (None: every one) on the control socket, which the I/O thread owns."""
         if address:
-            if not self.peers.send(address, msg) and isinstance(msg, wire.Activations):
+            key = self.config.peers.key_of(vertex) if self.config.peers is not None else None
+            if not self.peers.send(address, msg, key) and isinstance(msg, wire.Activations):
                 # the next stage is gone: cancel here, applied at the top of the next loop turn
                 self._inbox.append([(None, wire.Cancel(msg.request_id, f"unreachable:{address}"))])
             return
@@ -256,7 +298,7 @@ class NodeAgent:
                         except ProtocolError as exc:
                             self._reject("engine", exc)
                             if identity is not None:
-                                self._out("", wire.Error("protocol", exc.message))
+                                self._out("", wire.Error("protocol", exc.message), identity)
                 busy = self._step(step_log)
                 sched = getattr(self.engine, "scheduler", None)
                 self._kv = self.engine.kv_usage()
@@ -349,6 +391,7 @@ class NodeAgent:
         me = msg.pipeline[0]
         if me.node_id != self.config.node_id:
             raise ProtocolError(f"ADMIT for {msg.request_id!r} names {me.node_id!r} as first stage, not this node")
+        self._check_route(msg.request_id, msg.pipeline, 0, msg.reply_to)
         route = _Route(msg.pipeline, 0, msg.sampling, msg.max_tokens, len(msg.prompt), msg.reply_to, msg.task)
         self._tombstones.pop(msg.request_id, None)
         self._add(msg.request_id, route, prompt=list(msg.prompt))
@@ -369,6 +412,16 @@ class NodeAgent:
             self._refuse(msg.request_id, route, "unreachable", f"next stage at {msg.reason[12:]} is not reachable")
         else:
             self._forget(msg.request_id)
+
+    def _check_route(self, rid: str, pipeline: tuple[wire.StageRef, ...], hop: int, reply_to: str) -> None:
+        """ProtocolError unless every address this node would send the request's results to (the later
+        stages', ``reply_to``) is where the cluster file puts that vertex (no-op without a cluster policy)."""
+        policy = self.config.peers
+        if policy is None:
+            return
+        for stage in pipeline[hop + 1:]:
+            policy.check_address(stage.node_id, stage.address, f"request {rid!r}: stage address")
+        policy.check_address(policy.coordinator, reply_to, f"request {rid!r}: reply_to")
 
     def _forget(self, request_id: str) -> None:
         self.engine.cancel(request_id)
@@ -423,6 +476,7 @@ class NodeAgent:
             a = msg.admit
             if a.hop == 0 or a.pipeline[a.hop].node_id != self.config.node_id:
                 raise ProtocolError(f"ACTIVATIONS for {rid!r}: hop {a.hop} of its pipeline is not this node")
+            self._check_route(rid, a.pipeline, a.hop, a.reply_to)
             route = _Route(a.pipeline, a.hop, a.sampling, a.max_tokens, a.prompt_tokens, a.reply_to, a.task)
             if not self._add(rid, route, prompt=None):
                 return
@@ -457,7 +511,8 @@ class NodeAgent:
         self._reply(route.reply_to, wire.Refused(rid, self.config.node_id, code, reason))
 
     def _reply(self, reply_to: str, msg: wire.Message) -> None:  # engine thread
-        self._out(reply_to, msg)
+        coordinator = self.config.peers.coordinator if self.config.peers is not None else ""
+        self._out(reply_to, msg, vertex=coordinator)
 
     def _step(self, step_log: StepLog | None = None) -> bool:
         t0 = time.monotonic()
@@ -493,7 +548,8 @@ class NodeAgent:
             admit = wire.AdmitInfo(route.hop + 1, route.prompt_tokens, route.max_tokens, route.sampling,
                                    route.pipeline, route.reply_to, route.task)
         position, route.sent_tokens = route.sent_tokens, route.sent_tokens + shape[0]
-        self._out(nxt.address, wire.Activations(rid, route.step, position, self.config.wire_dtype, shape, data, admit))
+        self._out(nxt.address, wire.Activations(rid, route.step, position, self.config.wire_dtype, shape, data, admit),
+                  vertex=nxt.node_id)
         route.forwarded = True
 
     def _heartbeat(self) -> None:

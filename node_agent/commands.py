@@ -4,7 +4,10 @@ The node's layer range comes from the plan's placement; the control socket binds
 else the node's ``address`` in the cluster file, else a free loopback port. The data socket binds
 to ``--data-bind`` or a free port on the same host. The shared secret is read from the
 environment variable named by ``--secret-env``; without one the agent only binds to loopback.
-Once serving, the agent prints one line ``READY node=... control=... data=...`` to stdout.
+When the cluster file names CURVE keys (``keys_dir`` or ``public_key``; ``helix keys`` writes
+them), every socket runs CURVE with the node's secret certificate (``--key``, default
+``<keys_dir>/<node>.key_secret``) and no shared secret is needed; beyond loopback without keys
+the agent warns that its links are neither encrypted nor authenticated. Once serving, the agent prints one line ``READY node=... control=... data=...`` to stdout.
 """
 
 from __future__ import annotations
@@ -13,13 +16,15 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from helix.errors import ConfigError, EngineError
 
 if TYPE_CHECKING:
+    from helix.keys import KeyPair, PeerPolicy
     from helix.spec import ClusterSpec
     from node_agent.backends import StageBackend
 
@@ -36,6 +41,9 @@ def add_agent_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bind", help="control socket address (default: the node's address, else tcp://127.0.0.1:*)")
     p.add_argument("--data-bind", help="data socket address (default: a free port on the control host)")
     p.add_argument("--secret-env", default="HELIX_SECRET", help="env var holding the shared secret")
+    p.add_argument("--key", metavar="FILE",
+                   help="this node's CURVE secret certificate, when the cluster file names keys "
+                        "(default: <keys_dir>/<node>.key_secret; `helix keys` writes it)")
     p.add_argument("--kv-capacity-tokens", type=int, default=65536,
                    help="KV cache of this stage in tokens (a request reserves prompt + max_tokens up front)")
     p.add_argument("--max-batch-size", type=int, default=32, help="most requests running in one engine step")
@@ -79,11 +87,16 @@ def run_agent(args: argparse.Namespace) -> int:
     host = _host(control)
     data = args.data_bind or control.rsplit(":", 1)[0] + ":*"
     secret = os.environ.get(args.secret_env, "")
-    if not secret:
-        if host not in LOOPBACK_HOSTS or _host(data) not in LOOPBACK_HOSTS:
-            raise ConfigError(f"binding {control} beyond loopback needs a shared secret in ${args.secret_env}",
-                              field="--secret-env")
+    security = agent_security(cluster, plan.placement, args.node, args.key, [control, data])
+    beyond_loopback = host not in LOOPBACK_HOSTS or _host(data) not in LOOPBACK_HOSTS
+    if not secret and not security["peers"].curve:
+        if beyond_loopback:
+            raise ConfigError(f"binding {control} beyond loopback needs CURVE keys in the cluster file (`helix keys`) "
+                              f"or a shared secret in ${args.secret_env}", field="--secret-env")  # fmt: skip
         log.warning("no shared secret in $%s: accepting coordinators on loopback only", args.secret_env)
+    elif beyond_loopback and not security["peers"].curve:
+        log.warning("binding %s beyond loopback without CURVE keys: activations and tokens travel unencrypted and "
+                    "anyone who reaches the data port can send activations (run `helix keys`, docs/gpu.md)", control)
     if args.gather_window_ms is not None and args.gather_window_ms < 0:
         raise ConfigError(f"must be 0 or more, got {args.gather_window_ms}", field="--gather-window-ms")
     if args.model_dir is not None and not Path(args.model_dir).is_dir():
@@ -103,7 +116,30 @@ def run_agent(args: argparse.Namespace) -> int:
                        token_budget=args.token_budget, chunk_size=args.chunk_size or None,
                        wire_dtype=args.wire_dtype, threads=args.threads, max_frame_bytes=args.max_frame_bytes,
                        step_log=args.step_log.replace("{node}", args.node) if args.step_log else None,
-                       gather_window_ms=args.gather_window_ms, backend=backend)  # fmt: skip
+                       gather_window_ms=args.gather_window_ms, backend=backend, **security)  # fmt: skip
+
+
+def agent_security(cluster: ClusterSpec, placement: Mapping[str, Any], node: str, key_file: str | None,
+                   binds: list[str]) -> dict[str, Any]:  # fmt: skip
+    """The agent's peer policy, key pair and predecessors (AgentConfig's fields) for ``node``: the key pair
+    from ``key_file`` or ``<keys_dir>/<node>.key_secret`` when the cluster names keys; ConfigError naming
+    the flag or file when it is missing, is not the node's, or the node binds where the file does not put it."""
+    from helix.keys import host_of, own_key_pair, peer_policy, predecessors
+
+    policy = peer_policy(cluster)
+    if not policy.curve:
+        if key_file:
+            raise ConfigError("the cluster file names no CURVE keys (`keys_dir` or `public_key`): nothing to use "
+                              "the key for", source=cluster.source, field="--key")  # fmt: skip
+        return {"peers": policy, "key_pair": None, "predecessors": frozenset()}
+    key_pair = own_key_pair(cluster, node, key_file, policy.public_keys)
+    allowed = policy.hosts.get(node)
+    for bind in binds:
+        if allowed is not None and host_of(bind) not in allowed:
+            raise ConfigError(f"node {node!r} would bind {bind}, but its peers send to {', '.join(sorted(allowed))} "
+                              f"only (its address in the cluster file, loopback without one)", source=cluster.source,
+                              field="--bind")  # fmt: skip
+    return {"peers": policy, "key_pair": key_pair, "predecessors": frozenset(predecessors(placement, node))}
 
 
 def _default_model_dir() -> Path:
@@ -149,7 +185,9 @@ def serve_agent(*, node_id: str, layer_start: int, layer_end: int, model_dir: st
                 data_bind: str, secret: bytes, kv_capacity_tokens: int = 65536, max_batch_size: int = 32,
                 token_budget: int = 512, chunk_size: int | None = 256, wire_dtype: str = "float32",
                 threads: int = 1, max_frame_bytes: int = 64 << 20, step_log: str | None = None,
-                gather_window_ms: float | None = None, backend: StageBackend | None = None) -> int:
+                gather_window_ms: float | None = None, backend: StageBackend | None = None,
+                peers: PeerPolicy | None = None, key_pair: KeyPair | None = None,
+                predecessors: frozenset[str] = frozenset()) -> int:
     """Load the stage, bind, print READY, serve until SIGTERM/SIGINT."""
     import torch
 
@@ -167,7 +205,7 @@ def serve_agent(*, node_id: str, layer_start: int, layer_end: int, model_dir: st
     gather = {} if gather_window_ms is None else {"gather_window_s": gather_window_ms / 1000}
     config = AgentConfig(node_id=node_id, control_bind=control_bind, data_bind=data_bind, secret=secret,
                          wire_dtype=wire_dtype, max_frame_bytes=max_frame_bytes, torch_threads=threads,
-                         step_log=step_log, **gather)
+                         step_log=step_log, peers=peers, key_pair=key_pair, predecessors=predecessors, **gather)
     agent = NodeAgent(config, engine)
     agent.install_signals()
     print(f"READY node={node_id} layers={layer_start}:{layer_end} backend={engine.backend.name} control={agent.control_address} "

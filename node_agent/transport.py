@@ -3,7 +3,10 @@
 :mod:`helix.wire` is numpy- and torch-free; this module turns a ``[n, hidden]`` torch tensor into
 the raw bytes of an ACTIVATIONS frame and back (bf16 travels as its raw 2-byte values), converts
 wire sampling parameters to the engine's, and keeps one non-blocking PUSH socket per peer
-address (:class:`PushPool`) so a dead peer can never block the agent's iteration loop.
+address (:class:`PushPool`) so a dead peer can never block the agent's iteration loop. With
+the cluster's CURVE keys (:mod:`helix.keys`), :class:`CurveSockets` makes the bound sockets CURVE
+servers behind a ZAP authenticator (one plane each) and logs every refused handshake, and the
+pool dials each peer as a CURVE client that expects that peer's own public key.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import zmq
 
 from helix import wire
 from helix.errors import ProtocolError
+from helix.keys import HANDSHAKE_FAILED, HANDSHAKE_FAILED_AUTH, KeyGuard, KeyPair, handshake_failure
 from node_agent.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -58,23 +62,84 @@ def configure(sock: zmq.Socket[Any]) -> None:
     sock.setsockopt(zmq.RCVHWM, SEND_HWM)
 
 
+class CurveSockets:
+    """CURVE on one process's sockets: a ZAP authenticator asking ``guard`` which keys each plane lets in, bound
+    sockets made CURVE servers of one plane each (with a monitor whose failed handshakes are logged), and
+    outgoing sockets made CURVE clients of the peer they dial."""
+
+    def __init__(self, ctx: zmq.Context[Any], keys: KeyPair, guard: KeyGuard) -> None:
+        from zmq.auth.thread import ThreadAuthenticator
+
+        self.keys, self.guard = keys, guard
+        self.auth = ThreadAuthenticator(ctx, log=logging.getLogger("zmq.auth"))
+        self.auth.start()  # before any bind: a CURVE server without a ZAP handler would let every key in
+        for plane in guard.domains:
+            self.auth.configure_curve_callback(plane, guard)
+        self.monitors: dict[zmq.Socket[Any], str] = {}  # monitor socket -> its plane
+        self.failed_handshakes = 0
+
+    def serve(self, sock: zmq.Socket[Any], plane: str) -> zmq.Socket[Any]:
+        """Make ``sock`` (before it binds) a CURVE server of ``plane``; returns its monitor socket (poll it,
+        then :meth:`drain_monitor`)."""
+        sock.curve_secretkey, sock.curve_publickey = self.keys.secret, self.keys.public
+        sock.curve_server = True
+        sock.zap_domain = plane.encode()
+        monitor = sock.get_monitor_socket(HANDSHAKE_FAILED)
+        self.monitors[monitor] = plane
+        return monitor
+
+    def dial(self, sock: zmq.Socket[Any], server_key: bytes) -> None:
+        """Make ``sock`` (before it connects) a CURVE client that talks only to the holder of ``server_key``."""
+        sock.curve_secretkey, sock.curve_publickey = self.keys.secret, self.keys.public
+        sock.curve_serverkey = server_key
+
+    def drain_monitor(self, monitor: zmq.Socket[Any]) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        plane = self.monitors[monitor]
+        while True:
+            try:
+                event = recv_monitor_message(monitor, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            why = handshake_failure(int(event["event"]), int(event["value"]))
+            if why is None:
+                continue
+            self.failed_handshakes += 1
+            if int(event["event"]) != HANDSHAKE_FAILED_AUTH:  # a refused key: KeyGuard logged it with the key
+                log.warning("refused a peer on the %s plane of %s: %s", plane, self.guard.owner, why)
+
+    def close(self) -> None:
+        for monitor in self.monitors:
+            monitor.close(linger=0)
+        self.monitors.clear()
+        self.auth.stop()
+
+
 class PushPool:
-    """One PUSH socket per destination address, created on first use, sending without blocking."""
+    """One PUSH socket per destination address, created on first use, sending without blocking (with
+    ``curve``: a CURVE client of the key the caller expects at that address)."""
 
-    def __init__(self, ctx: zmq.Context[Any]) -> None:
+    def __init__(self, ctx: zmq.Context[Any], curve: CurveSockets | None = None) -> None:
         self._ctx = ctx
-        self._socks: dict[str, zmq.Socket[Any]] = {}
+        self._curve = curve
+        self._socks: dict[tuple[str, bytes | None], zmq.Socket[Any]] = {}
 
-    def send(self, address: str, msg: wire.Message) -> bool:
-        """Send ``msg`` to ``address``; False (and logged) when the peer cannot take it now."""
-        sock = self._socks.get(address)
+    def send(self, address: str, msg: wire.Message, server_key: bytes | None = None) -> bool:
+        """Send ``msg`` to ``address`` (whose CURVE public key is ``server_key`` when the pool runs CURVE);
+        False (and logged) when the peer cannot take it now."""
+        sock = self._socks.get((address, server_key))
         if sock is None:
             if not address.startswith(("tcp://", "ipc://", "inproc://")):
                 raise ProtocolError(f"peer address {address!r} is not a ZeroMQ endpoint")
             sock = self._ctx.socket(zmq.PUSH)
             configure(sock)
+            if self._curve is not None:
+                if server_key is None:
+                    raise ProtocolError(f"no CURVE key for peer {address!r}: not sent")
+                self._curve.dial(sock, server_key)
             sock.connect(address)
-            self._socks[address] = sock
+            self._socks[(address, server_key)] = sock
         try:
             sock.send_multipart(wire.encode(msg), flags=zmq.NOBLOCK, copy=False)
             return True

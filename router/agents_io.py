@@ -7,6 +7,10 @@
   UNLOAD_TASK out, HEARTBEATs and TASK_STATUS in;
 * one PULL (the data plane's sink) where last stages push TOKENS and any stage pushes REFUSED.
 
+With ``curve`` (the coordinator's keys and the agents', :func:`helix.keys.coordinator_keys`) every one of these
+sockets runs ZeroMQ CURVE: each DEALER expects its agent's public key, the sink lets in only the
+agents' keys, and refused handshakes are logged.
+
 A request is ADMITted to its pipeline's first stage; every token that comes back is handed to
 the request's callback and, unless it finished, sent back to the first stage as STEP (only the
 new token). When a request finishes, is refused or cancelled, CANCEL frees its KV on every stage.
@@ -36,7 +40,9 @@ import zmq
 
 from helix import wire
 from helix.errors import NoRouteError, ProtocolError, RequestError
+from helix.keys import CurveKeys
 from router.agent_events import KVReport, TokenCallback, TokenEvent
+from router.curve import CoordinatorCurve
 
 log = logging.getLogger(__name__)
 
@@ -77,15 +83,22 @@ class AgentsIO:
                  on_agent_dead: Callable[[str], None] | None = None,
                  on_agent_alive: Callable[[str, wire.Welcome], None] | None = None,
                  on_task_status: Callable[[wire.TaskStatus], None] | None = None,
-                 max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES) -> None:  # fmt: skip
+                 max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES,
+                 curve: CurveKeys | None = None) -> None:  # fmt: skip
         self.secret, self.name, self.dead_after_s = secret, name, dead_after_s
         self.on_token, self.on_agent_dead, self.on_agent_alive = on_token, on_agent_dead, on_agent_alive
         self.on_task_status = on_task_status
         self.max_frame_bytes = max_frame_bytes
         self.ctx: zmq.Context[Any] = zmq.Context()
+        self.curve = CoordinatorCurve(self.ctx, name, curve.own, curve.peers) if curve is not None else None
         self.sink = self.ctx.socket(zmq.PULL)
         self.sink.setsockopt(zmq.LINGER, 0)
         self.sink.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + 4096)
+        if self.curve is not None:
+            missing = sorted(set(agents) - set(self.curve.agent_keys))
+            if missing:
+                raise ProtocolError(f"no CURVE public key for agents {', '.join(missing)}")
+            self.curve.serve_results(self.sink)
         self.sink.bind(f"tcp://{bind_host}:*")
         self.reply_to: str = self.sink.getsockopt_string(zmq.LAST_ENDPOINT)
         self._agents = {n: AgentState(n, a) for n, a in agents.items()}
@@ -114,6 +127,8 @@ class AgentsIO:
             self._thread.join(timeout=5)
         self._wake_r.close()
         self._wake_w.close()
+        if self.curve is not None:
+            self.curve.close()
         self.ctx.destroy(linger=0)
 
     def __enter__(self) -> AgentsIO:
@@ -208,6 +223,9 @@ class AgentsIO:
         poller = zmq.Poller()
         poller.register(self.sink, zmq.POLLIN)
         poller.register(self._wake_r.fileno(), zmq.POLLIN)
+        monitor = self.curve.monitor if self.curve is not None else None
+        if monitor is not None:
+            poller.register(monitor, zmq.POLLIN)
         for agent in self._agents.values():
             self._connect(agent, poller)
         socks: dict[Any, AgentState] = {}
@@ -216,6 +234,8 @@ class AgentsIO:
             for item, _ in poller.poll(int(TICK_S * 1000)):
                 if item is self.sink:
                     self._drain(self.sink, self._on_sink)
+                elif item is monitor and self.curve is not None:
+                    self.curve.drain_monitor()
                 elif item in socks:
                     self._drain(item, functools.partial(self._on_control, socks[item]))
             try:
@@ -246,6 +266,8 @@ class AgentsIO:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes + 4096)
+        if self.curve is not None:
+            self.curve.dial(sock, agent.node_id)
         sock.connect(agent.control_address)
         poller.register(sock, zmq.POLLIN)
         agent.sock = sock

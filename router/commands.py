@@ -59,6 +59,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--agent", action="append", default=[], metavar="NODE=ADDRESS",
                    help="control address of a node's agent (default: the node's address in the cluster file)")
     p.add_argument("--secret-env", default="HELIX_SECRET", help="env var holding the agents' shared secret")
+    p.add_argument("--key", metavar="FILE",
+                   help="the coordinator's CURVE secret certificate, when the cluster file names keys "
+                        "(default: <keys_dir>/<coordinator id>.key_secret; `helix keys` writes it)")
     p.add_argument("--served-model-name", action="append", default=[], help="extra model name clients may use")
     _add_common(p)
 
@@ -119,10 +122,18 @@ def run_serve(args: argparse.Namespace) -> int:
     keys = _api_keys(args)
     if args.host not in LOOPBACK and not keys:
         log.warning("serving on %s without API keys: anyone who can reach it can use it", args.host)
+    from helix.keys import coordinator_keys, host_of
+
+    curve = coordinator_keys(cluster, args.key)
+    addresses = agent_addresses(cluster, plan, overrides)
+    reply_host = host_of(cluster.coordinator.address) if cluster.coordinator.address else "127.0.0.1"
+    if curve is None and any(host_of(a) not in LOOPBACK for a in [*addresses.values(), f"tcp://{reply_host}:0"]):
+        log.warning("agents beyond loopback without CURVE keys: activations and tokens travel unencrypted and "
+                    "unauthenticated (run `helix keys`, docs/gpu.md)")
     coordinator = build_coordinator(cluster, plan, profiles, _options(args, args.served_model_name))
-    app = create_server_app(coordinator, agent_addresses(cluster, plan, overrides),
-                            secret=os.environ.get(args.secret_env, "").encode(), api_keys=keys,
-                            dead_after_s=args.dead_after_s, loopback=args.host in LOOPBACK)
+    app = create_server_app(coordinator, addresses, secret=os.environ.get(args.secret_env, "").encode(),
+                            api_keys=keys, dead_after_s=args.dead_after_s, loopback=args.host in LOOPBACK,
+                            reply_host=reply_host, curve=curve)  # fmt: skip
     server: Any = make_server(app, args.host, args.port)
     print(f"Helix coordinator for {cluster.name} ({plan.model}) at http://{args.host}:{args.port}/v1", flush=True)
     asyncio.run(server.serve())

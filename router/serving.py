@@ -19,6 +19,7 @@ from pathlib import Path
 from fastapi import FastAPI
 
 from helix.errors import ConfigError
+from helix.keys import CurveKeys
 from helix.plan import Plan
 from helix.profile import ProfileSet
 from helix.spec import ClusterSpec
@@ -87,14 +88,15 @@ def agent_addresses(cluster: ClusterSpec, plan: Plan, overrides: Mapping[str, st
 
 def create_server_app(coordinator: Coordinator, agents: Mapping[str, str], *, secret: bytes = b"",
                       api_keys: Sequence[str] = (), dead_after_s: float = 1.8, loopback: bool = True,
-                      reply_host: str = "127.0.0.1") -> FastAPI:
+                      reply_host: str = "127.0.0.1", curve: CurveKeys | None = None) -> FastAPI:
     """The HTTP app whose lifespan connects ``coordinator`` to ``agents`` (node -> control address) and
     then loads the tasks listed at start. ``loopback``: the server is bound to loopback only (beyond
     it, loading and unloading tasks needs an API key).
 
     Agents heartbeat every 0.25 s; one silent for ``dead_after_s`` is dead (noticed within 2 s).
     ``reply_host``: where the coordinator binds the socket agents send tokens to (``reply_to``); agents
-    on other hosts (or emulated regions, helix.netem) need an address they can reach.
+    on other hosts (or emulated regions, helix.netem) need an address they can reach. ``curve``: the
+    coordinator's CURVE keys and the agents' (:func:`helix.keys.coordinator_keys`); None: no CURVE.
     """
 
     @contextlib.asynccontextmanager
@@ -103,7 +105,7 @@ def create_server_app(coordinator: Coordinator, agents: Mapping[str, str], *, se
         io = AgentsIO(dict(agents), secret=secret, dead_after_s=dead_after_s, bind_host=reply_host,
                       on_agent_dead=coordinator.agent_dead_threadsafe,
                       on_agent_alive=coordinator.agent_alive_threadsafe,
-                      on_task_status=coordinator.task_status_threadsafe)
+                      on_task_status=coordinator.task_status_threadsafe, curve=curve)
         coordinator.attach(io, coordinator.loop)
         io.start()
         watcher = asyncio.create_task(coordinator.watch_kv())
