@@ -24,7 +24,7 @@ import logging
 import os
 import re
 import socket
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -44,10 +44,10 @@ PUBLIC_SUFFIX, SECRET_SUFFIX = ".key", ".key_secret"  # the names zmq.auth.creat
 CONTROL, DATA, RESULTS = "control", "data", "results"
 
 
-def check_z85_key(text: str, what: str) -> str:
-    """``text`` if it is a 40-character Z85 CURVE key, else a ValueError naming ``what``."""
+def check_z85_key(text: str) -> str:
+    """``text`` if it is a 40-character Z85 CURVE key, else a ValueError saying so (pydantic adds the field)."""
     if not Z85_KEY.match(text):
-        raise ValueError(f"{what}: {text!r} is not a CURVE public key (40 Z85 characters, as `helix keys` prints)")
+        raise ValueError(f"{text!r} is not a CURVE public key (40 Z85 characters, as `helix keys` prints)")
     return text
 
 
@@ -213,13 +213,17 @@ def own_key_pair(cluster: ClusterSpec, vertex: str, key_file: str | Path | None,
     return KeyPair.load(key_file, owner=vertex, expected_public=keys[vertex])
 
 
-def predecessors(placement: Mapping[str, tuple[int, int] | list[int]], node: str) -> set[str]:
-    """Nodes that can hand activations to ``node``: some hand-off layer ``h`` ends a run on them (``start < h <= end``)
-    and starts one on ``node`` (``start <= h < end``), as the router's partial hand-offs allow."""
+def predecessors(placement: Mapping[str, tuple[int, int] | list[int]], node: str, *, partial_handoffs: bool = True,
+                 links: Container[tuple[str, str]] | None = None) -> set[str]:  # fmt: skip
+    """The nodes the router may send a request from straight to ``node`` (the max-flow graph's edges, as
+    ``planner.graph.hands_off`` and ``router.pipeline.Topology`` define them): ``node`` holds the layer the
+    other's range ends at (``start <= end_other < end``; with exact hand-offs only, ``end_other == start``),
+    over a link of the cluster (``links``; None: any pair)."""
     start, end = placement[node]
     out = set()
-    for other, (o_start, o_end) in placement.items():
-        if other != node and max(o_start + 1, start) <= min(o_end, end - 1):
+    for other, (_, o_end) in placement.items():
+        hands_off = start <= o_end < end if partial_handoffs else o_end == start
+        if other != node and hands_off and (links is None or (other, node) in links):
             out.add(other)
     return out
 

@@ -45,7 +45,7 @@ class CoordinatorSpec(_Strict):
     @field_validator("public_key")
     @classmethod
     def _z85(cls, key: str | None) -> str | None:
-        return key if key is None else check_z85_key(key, "public_key")
+        return key if key is None else check_z85_key(key)
 
 
 class NodeSpec(_Strict):
@@ -85,7 +85,7 @@ class NodeSpec(_Strict):
     @field_validator("public_key")
     @classmethod
     def _z85(cls, key: str | None) -> str | None:
-        return key if key is None else check_z85_key(key, "public_key")
+        return key if key is None else check_z85_key(key)
 
     @property
     def kind(self) -> str:

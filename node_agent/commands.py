@@ -16,7 +16,6 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -25,6 +24,7 @@ from helix.errors import ConfigError, EngineError
 
 if TYPE_CHECKING:
     from helix.keys import KeyPair, PeerPolicy
+    from helix.plan import Plan
     from helix.spec import ClusterSpec
     from node_agent.backends import StageBackend
 
@@ -87,7 +87,7 @@ def run_agent(args: argparse.Namespace) -> int:
     host = _host(control)
     data = args.data_bind or control.rsplit(":", 1)[0] + ":*"
     secret = os.environ.get(args.secret_env, "")
-    security = agent_security(cluster, plan.placement, args.node, args.key, [control, data])
+    security = agent_security(cluster, plan, args.node, args.key, [control, data])
     beyond_loopback = host not in LOOPBACK_HOSTS or _host(data) not in LOOPBACK_HOSTS
     if not secret and not security["peers"].curve:
         if beyond_loopback:
@@ -119,7 +119,7 @@ def run_agent(args: argparse.Namespace) -> int:
                        gather_window_ms=args.gather_window_ms, backend=backend, **security)  # fmt: skip
 
 
-def agent_security(cluster: ClusterSpec, placement: Mapping[str, Any], node: str, key_file: str | None,
+def agent_security(cluster: ClusterSpec, plan: Plan, node: str, key_file: str | None,
                    binds: list[str]) -> dict[str, Any]:  # fmt: skip
     """The agent's peer policy, key pair and predecessors (AgentConfig's fields) for ``node``: the key pair
     from ``key_file`` or ``<keys_dir>/<node>.key_secret`` when the cluster names keys; ConfigError naming
@@ -139,7 +139,8 @@ def agent_security(cluster: ClusterSpec, placement: Mapping[str, Any], node: str
             raise ConfigError(f"node {node!r} would bind {bind}, but its peers send to {', '.join(sorted(allowed))} "
                               f"only (its address in the cluster file, loopback without one)", source=cluster.source,
                               field="--bind")  # fmt: skip
-    return {"peers": policy, "key_pair": key_pair, "predecessors": frozenset(predecessors(placement, node))}
+    senders = predecessors(plan.placement, node, partial_handoffs=plan.partial_handoffs, links=set(cluster.resolved_links()))
+    return {"peers": policy, "key_pair": key_pair, "predecessors": frozenset(senders)}
 
 
 def _default_model_dir() -> Path:

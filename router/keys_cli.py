@@ -27,7 +27,9 @@ def add_keys_arguments(p: argparse.ArgumentParser) -> None:
 def run_keys(args: argparse.Namespace) -> int:
     import zmq.auth
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
+    from rich.text import Text
 
     from helix.keys import PUBLIC_SUFFIX, SECRET_SUFFIX, read_certificate
 
@@ -60,11 +62,12 @@ def run_keys(args: argparse.Namespace) -> int:
     for name in names:
         public_file, secret_file = zmq.auth.create_certificates(out, name)
         os.chmod(secret_file, 0o600)
-        table.add_row(name, read_certificate(public_file)[0].decode(), str(secret_file))
+        # Text: a Z85 key may hold "[...]", which rich would read as markup
+        table.add_row(Text(name), Text(read_certificate(public_file)[0].decode()), Text(str(secret_file)))
     console = Console(highlight=False)
     console.print(table)
     keys_dir = os.path.relpath(out.resolve(), Path(args.cluster).resolve().parent) if args.cluster else str(out)
     where = "" if args.cluster else " (relative to the cluster file)"
-    console.print(f"In the cluster file: [bold]keys_dir: {keys_dir}[/]{where}, or each vertex's public_key above. "
+    console.print(f"In the cluster file: [bold]keys_dir: {escape(keys_dir)}[/]{where}, or each vertex's public_key above. "
                   "Copy NAME.key_secret to NAME's machine only.", soft_wrap=True)
     return 0
