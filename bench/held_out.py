@@ -42,6 +42,7 @@ from helix.profile import load_profiles_for  # noqa: E402
 from helix.spec import load_cluster  # noqa: E402
 from planner.api import make_plan, serving_estimate  # noqa: E402
 from simulator.engine import SimConfig, SimResult, simulate  # noqa: E402
+from simulator.short_run import run_short  # noqa: E402
 
 sys.path.insert(1, str(ROOT / "bench"))  # after the packages: bench/planner.py must not shadow planner/
 from harness import RoundLog, Target, add_rounds_option, report  # noqa: E402
@@ -122,7 +123,8 @@ def main() -> int:
                 if cached is not None and cached.is_file():
                     plans[label] = load_plan(cached)
                     continue
-                plans[label] = make_plan(cluster, profiles, method=method, time_limit_s=args.time_limit, threads=1)
+                plans[label] = make_plan(cluster, profiles, method=method, time_limit_s=args.time_limit, threads=1,
+                                         simulator=run_short)
                 if cached is not None:
                     cached.parent.mkdir(parents=True, exist_ok=True)
                     plans[label].save(cached)

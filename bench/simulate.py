@@ -60,6 +60,7 @@ from helix.spec import load_cluster  # noqa: E402
 from planner.api import evaluate_plan, serving_estimate  # noqa: E402
 from simulator.engine import SimConfig, SimResult, Simulation, simulate  # noqa: E402
 from simulator.results import LEGACY_MECHANISMS  # noqa: E402
+from simulator.short_run import run_short  # noqa: E402
 
 sys.path.insert(1, str(ROOT / "bench"))  # after the packages: bench/planner.py must not shadow planner/
 from harness import RoundLog, Target, add_rounds_option, report  # noqa: E402
@@ -176,7 +177,7 @@ def main() -> int:
                 how = f"loaded from {cached}"
             else:
                 plan = make_plan(cluster, profiles, method=method, objective=objective,
-                                 time_limit_s=args.planner_time_limit, threads=1)
+                                 time_limit_s=args.planner_time_limit, threads=1, simulator=run_short)
                 how = f"planned in {time.perf_counter() - t0:.0f} s"
                 if cached is not None:
                     plan.save(cached)

@@ -35,6 +35,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+# Collaborators the command line hands a command, as attributes of its parsed arguments: command ->
+# {attribute: (module, name)}. This is the composition root for packages that may not import each
+# other (DESIGN.md): `helix plan`'s simulated refinement runs the simulator, which imports the planner.
+WIRING: dict[str, dict[str, tuple[str, str]]] = {
+    "plan": {"simulator": ("simulator.short_run", "run_short")},
+}
+
+
 def _module(name: str):  # noqa: ANN202 - module object
     return importlib.import_module(COMMANDS[name][0])
 
@@ -83,6 +91,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.command:
         parser.print_help()
         return 2
+    for attribute, (module, name) in WIRING.get(args.command, {}).items():
+        setattr(args, attribute, getattr(importlib.import_module(module), name))
     try:
         return int(getattr(_module(args.command), f"run_{args.command}")(args) or 0)
     except HelixError as exc:

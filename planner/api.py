@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import inspect
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from helix.errors import ConfigError, HelixError, InfeasiblePlanError
 from helix.perf_model import NETWORK_FREE_BOUND, network_free_bound
@@ -25,6 +25,9 @@ from planner.budget import BOUND_MET, TIME_LIMIT, Deadline
 from planner.graph import CapacityModel, Placement, check_flows, evaluate
 from planner.metrics import placement_stats
 from planner.progress import ProgressFn
+
+if TYPE_CHECKING:
+    from planner.simulated import RunSimulation
 
 METHODS = ("helix", "paper-milp", *baselines.BASELINES)
 OBJECTIVES = ("serving", "max-flow")
@@ -78,13 +81,15 @@ def make_plan(
     stall_s: float | None = None,
     deadline: Deadline | None = None,
     simulate: bool = True,
+    simulator: RunSimulation | None = None,
 ) -> Plan:
     """Plan ``cluster`` with ``method`` and return a checked :class:`Plan`.
 
     The whole call (search, bound, final evaluation) ends by ``deadline`` (default:
     ``time_limit_s`` from now) plus the plan's final check; ``helix`` stops earlier when its
     incumbent meets the bound or has not improved for ``stall_s`` (``planner.budget``); its serving
-    objective ends with the simulated refinement (``planner.simulated``) unless ``simulate`` is False."""
+    objective ends with the simulated refinement (``planner.simulated``) when a ``simulator`` is given
+    (``simulator.short_run.run_short``; ``helix plan`` passes it) unless ``simulate`` is False."""
     deadline = deadline if deadline is not None else Deadline.after(time_limit_s)
     t0 = deadline.clock()
     if method not in METHODS:
@@ -141,6 +146,7 @@ def make_plan(
             stall_s=stall_s,
             deadline=deadline,
             simulate=simulate,
+            simulator=simulator,
         )
         placement = dict(res.placement)
         if res.upper_bound_tok_s is not None:

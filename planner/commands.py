@@ -158,6 +158,7 @@ def run_plan(args: argparse.Namespace) -> int:
             stall_s=args.stall_window,
             deadline=deadline,
             simulate=not args.no_simulate,
+            simulator=getattr(args, "simulator", None),  # handed in by helix.cli (WIRING)
         )
     if args.output:
         plan.save(args.output)

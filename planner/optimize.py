@@ -62,7 +62,7 @@ from planner.instance import Instance, Placement
 from planner.local_search import SERVING_MIN_GAIN, Evaluator, Scored, improve
 from planner.progress import Progress
 from planner.serving_model import ServingModel, Workload
-from planner.simulated import Refined, Refinement, SimScorer, Simulated, refine, simulable
+from planner.simulated import Refined, Refinement, RunSimulation, SimScorer, Simulated, refine, simulable
 
 OPTIMAL_TOL = BOUND_REL_TOL
 FINISH_SHARE = 0.1  # of the time limit, kept for the final exact check and balanced flows ...
@@ -188,13 +188,14 @@ def optimize(
     deadline: Deadline | None = None,
     stall_s: float | None = None,
     simulate: bool | Refinement = True,
+    simulator: RunSimulation | None = None,
 ) -> OptimizeResult:
     """Search a placement of ``cluster`` for ``objective`` by ``deadline`` (default: within
     ``time_limit_s`` seconds from now); stop earlier when the bound is met or the search has
     not improved for ``stall_s`` seconds (default :func:`planner.budget.stall_window_s`).
     ``simulate`` (objective ``serving``): end with the simulated refinement (``planner.simulated``;
-    a :class:`~planner.simulated.Refinement` sets its window, seed, candidates and patience) when the
-    cluster's GPUs have latency curves."""
+    a :class:`~planner.simulated.Refinement` sets its window, seed, candidates and patience) when a
+    ``simulator`` is given (``simulator.short_run.run_short``) and the cluster's GPUs have latency curves."""
     deadline = deadline if deadline is not None else Deadline.after(time_limit_s)
     clock = deadline.clock
     t0 = clock()
@@ -255,7 +256,7 @@ def optimize(
         target = bound.tok_s / (1 + stop_at_bound_gap) - 1e-9
     if not serving and best.max_flow >= bound.tok_s * (1 - OPTIMAL_TOL):
         target = best.key[0]
-    refining = serving and simulate is not False and simulable(cluster, profiles)
+    refining = serving and simulate is not False and simulator is not None and simulable(cluster, profiles)
     # with the simulated refinement after it, the model's search stops after STALL_MIN_S without a gain
     # unless told otherwise: a simulated candidate is worth more than more of the model's search
     watch = StallWatch(clock, stall_window_s(limit, stall_s) if stall_s is not None or not refining else STALL_MIN_S)
@@ -298,9 +299,9 @@ def optimize(
     assert best is not None
     stats: dict[str, Any] = {"candidates": len(pool.scored), "stall_window_s": watch.window_s}
     refined = None
-    if refining and not search.expired():
+    if refining and simulator is not None and not search.expired():
         settings = simulate if isinstance(simulate, Refinement) else Refinement()
-        refined = _refine(cluster, profiles, inst, ev, pool, search, settings, seed=seed,
+        refined = _refine(cluster, profiles, inst, ev, pool, search, settings, simulator, seed=seed,
                           partial_handoffs=partial_handoffs, report=report)
         if refined is not None:
             best = refined.best
@@ -313,10 +314,10 @@ def optimize(
 
 
 def _refine(cluster: ClusterSpec, profiles: ProfileSet, inst: Instance, ev: Evaluator, pool: _Pool,
-            deadline: Deadline, settings: Refinement, *, seed: int, partial_handoffs: bool,
-            report: Report) -> Refined | None:
+            deadline: Deadline, settings: Refinement, simulator: RunSimulation, *, seed: int,
+            partial_handoffs: bool, report: Report) -> Refined | None:
     """The simulated refinement (``planner.simulated.refine``) of the pool's best placements."""
-    scorer = SimScorer(cluster, profiles, inst, partial_handoffs=partial_handoffs, warmup_s=settings.warmup_s,
+    scorer = SimScorer(cluster, profiles, inst, simulator, partial_handoffs=partial_handoffs, warmup_s=settings.warmup_s,
                        measure_s=settings.measure_s, seed=settings.seed)
 
     def say(s: Scored, sim: Simulated, phase: str) -> None:

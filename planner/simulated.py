@@ -1,6 +1,7 @@
 """The serving search's last phase: its best placements, and small moves of them, judged by a short run
-of our own simulator under both flows (``optimize(..., simulate_s=...)``; docs/planner-optimizer.md
-section 6).
+of our own simulator under both flows (``optimize(..., simulator=...)``; docs/planner-optimizer.md
+section 6). The simulator is handed in (:class:`RunSimulation`): it imports the planner, never the
+reverse.
 
 The serving model (``planner.serving_model``) scores a placement in tens of milliseconds and is good to
 about 10 % of the simulator, but its errors follow the placement's shape (on single24 it underrates
@@ -33,6 +34,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from helix.errors import HelixError
 from helix.plan import Plan
@@ -42,7 +44,6 @@ from planner.budget import Deadline
 from planner.flows import balanced_flows
 from planner.instance import Instance, Placement
 from planner.local_search import Evaluator, Scored, neighbourhood
-from simulator.engine import SimConfig, simulate
 
 SIM_WARMUP_S = 60.0  # simulated seconds before the measured window (the offline feeder ramps up) ...
 SIM_MEASURE_S = 240.0  # ... and measured: ranks single24's placements as 60 + 600 s does (section 14 of the notes)
@@ -64,6 +65,36 @@ class Refinement:
     seed: int = SIM_SEED
     top: int = SIM_TOP
     patience: int = SIM_PATIENCE
+
+
+@dataclass(frozen=True, slots=True)
+class ShortRun:
+    """What the refinement asks of one simulation: an offline run routed by ``flows`` ("plan": the
+    plan's balanced flows; "judge": the judge's), ``warmup_s`` + ``measure_s`` simulated seconds."""
+
+    flows: str
+    warmup_s: float
+    measure_s: float
+    seed: int
+
+
+@dataclass(frozen=True, slots=True)
+class SimRun:
+    """One simulation's figures: decode tok/s and p50 prompt and decode latency."""
+
+    decode_tok_s: float
+    prompt_p50_s: float
+    decode_p50_s: float
+
+
+class RunSimulation(Protocol):
+    """Simulates ``plan`` on ``cluster``; ``progress(simulated_s)`` is called as it goes (and may raise
+    to abandon the run). The simulator imports the planner, so the planner never imports it: the
+    caller hands this in (``simulator.short_run.run_short``; ``helix plan`` gets it from the command
+    line's composition root, ``helix.cli``)."""
+
+    def __call__(self, cluster: ClusterSpec, profiles: ProfileSet, plan: Plan, run: ShortRun,
+                 progress: Callable[[float], None]) -> SimRun: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +131,7 @@ class SimScorer:
     cluster: ClusterSpec
     profiles: ProfileSet
     inst: Instance
+    simulator: RunSimulation
     partial_handoffs: bool = True
     warmup_s: float = SIM_WARMUP_S
     measure_s: float = SIM_MEASURE_S
@@ -132,15 +164,15 @@ class SimScorer:
 
         runs = []
         for flows in FLOWS:
-            config = SimConfig(warmup_s=self.warmup_s, duration_s=self.measure_s, seed=self.seed, flows=flows)
             try:
-                runs.append(simulate(self.cluster, self.profiles, plan, config, progress=tick))
+                runs.append(self.simulator(self.cluster, self.profiles, plan,
+                                           ShortRun(flows, self.warmup_s, self.measure_s, self.seed), tick))
             except _OutOfTime:
                 return None
         self.candidates += 1
         self.wall_s += time.monotonic() - t0
         got = Simulated(runs[0].decode_tok_s, runs[1].decode_tok_s,
-                        max(r.prompt_latency_s["p50"] for r in runs), max(r.decode_latency_s["p50"] for r in runs))
+                        max(r.prompt_p50_s for r in runs), max(r.decode_p50_s for r in runs))
         self.cache[key] = got
         return got
 

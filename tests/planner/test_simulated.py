@@ -20,6 +20,7 @@ from planner.optimize import optimize
 from planner.serving_model import ServingModel
 from planner.simulated import Refinement, SimScorer, refine, simulable
 from simulator.engine import SimConfig, simulate
+from simulator.short_run import run_short
 
 from .conftest import DEMO, SINGLE24, load
 
@@ -82,7 +83,7 @@ def test_the_simulator_overrules_the_models_ranking(single24: tuple[ClusterSpec,
     ev = Evaluator(inst, "serving", serving_model=ServingModel(inst))
     first, second = ev.score(sextets(inst)), ev.score(quartets(inst))
     assert first.key > second.key  # the model prefers the sextets ...
-    scorer = SimScorer(cluster, profiles, inst, warmup_s=WARMUP_S, measure_s=MEASURE_S)
+    scorer = SimScorer(cluster, profiles, inst, run_short, warmup_s=WARMUP_S, measure_s=MEASURE_S)
     said: list[str] = []
     got = refine(ev, [first, second], scorer, deadline=Deadline.after(600.0), patience=0,
                  report=lambda s, sim, msg: said.append(msg))
@@ -105,7 +106,7 @@ def test_refinement_tries_neighbours_until_its_patience_runs_out(single24: tuple
     cluster, profiles = single24
     ev = Evaluator(inst, "serving", serving_model=ServingModel(inst))
     start = ev.score(quartets(inst))
-    scorer = SimScorer(cluster, profiles, inst, warmup_s=WARMUP_S, measure_s=MEASURE_S)
+    scorer = SimScorer(cluster, profiles, inst, run_short, warmup_s=WARMUP_S, measure_s=MEASURE_S)
     got = refine(ev, [start], scorer, deadline=Deadline.after(600.0), patience=2)
     assert got is not None and got.simulations >= 3 and got.stop_reason in ("patience", "exhausted")
     assert len(scorer.cache) == got.simulations
@@ -121,7 +122,7 @@ def test_a_simulation_past_the_deadline_is_abandoned(single24: tuple[ClusterSpec
         ticks[0] += 1
         return float(ticks[0])
 
-    scorer = SimScorer(cluster, profiles, inst, warmup_s=WARMUP_S, measure_s=MEASURE_S)
+    scorer = SimScorer(cluster, profiles, inst, run_short, warmup_s=WARMUP_S, measure_s=MEASURE_S)
     assert scorer.score(quartets(inst), Deadline(at=50.0, clock=clock)) is None
     assert not scorer.cache and scorer.candidates == 0
     ev = Evaluator(inst, "serving", serving_model=ServingModel(inst))
@@ -132,7 +133,8 @@ def test_a_simulation_past_the_deadline_is_abandoned(single24: tuple[ClusterSpec
 def test_clusters_without_latency_curves_skip_the_phase() -> None:
     cluster, profiles = load(DEMO)  # tok_s tables only
     assert not simulable(cluster, profiles)
-    res = optimize(cluster, profiles, objective="serving", time_limit_s=10, threads=1, stall_s=0.5)
+    res = optimize(cluster, profiles, objective="serving", time_limit_s=10, threads=1, stall_s=0.5,
+                   simulator=run_short)
     assert "simulations" not in res.stats and "simulated_decode_tok_s" not in res.score
     assert res.score["decode_tok_s"] > 0
 
@@ -142,7 +144,7 @@ def test_optimize_reports_and_returns_the_simulated_choice(single24: tuple[Clust
     assert simulable(cluster, profiles)
     said: list[str] = []
     quick = Refinement(warmup_s=WARMUP_S, measure_s=MEASURE_S, top=2, patience=1)
-    res = optimize(cluster, profiles, objective="serving", time_limit_s=30, threads=1, simulate=quick,
+    res = optimize(cluster, profiles, objective="serving", time_limit_s=30, threads=1, simulate=quick, simulator=run_short,
                    on_progress=lambda p: said.append(p.message))
     assert res.stats["stall_window_s"] == STALL_MIN_S  # the model's search leaves the time to the simulator
     assert res.stats["simulations"] >= 1 and res.stats["simulated_stop"] in ("patience", "exhausted", "time_limit")
@@ -157,3 +159,18 @@ def test_helix_plan_no_simulate_keeps_the_models_choice(capsys: pytest.CaptureFi
     plan = json.loads(capsys.readouterr().out)
     assert plan["score"]["decode_tok_s"] > 0 and "simulated_decode_tok_s" not in plan["score"]
     assert "simulations" not in plan["stats"] and plan["stats"]["stall_window_s"] == pytest.approx(4.0, rel=0.05)  # a quarter
+
+
+def test_helix_plan_hands_the_simulator_to_the_planner(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planner never imports the simulator: ``helix plan`` gets it from the command line's wiring."""
+    import planner.commands
+
+    seen: dict[str, object] = {}
+
+    def fake_make_plan(*args: object, **kw: object) -> Plan:  # the arguments only: no search runs
+        seen.update(kw)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(planner.commands, "make_plan", fake_make_plan)
+    assert main(["plan", str(SINGLE24), "--time-limit", "1", "--json"]) == 130
+    assert seen["simulator"] is run_short and seen["simulate"] is True
