@@ -9,8 +9,10 @@ ZAP checking every peer's key). Both clusters stay up; each round runs the same 
 ABBA order (bench/harness.py). Figures per arm: decode tokens/s, and CPU seconds per 1000 tokens of
 all four processes (agents + coordinator: where CURVE's encryption shows even when the 2 cores are
 not the bottleneck). The verdict: CURVE-on ÷ CURVE-off tokens/s, per round, median >= 0.95x.
+``--aa`` starts the "on" cluster without keys too (an A/A run: what the set-up alone does to the
+ratio, e.g. which cluster started first).
 
-    python bench/curve.py [--rounds 5] [--clients 8] [--requests 24] [--max-tokens 32]
+    python bench/curve.py [--rounds 5] [--clients 8] [--requests 24] [--max-tokens 32] [--aa]
 """
 
 from __future__ import annotations
@@ -39,15 +41,16 @@ TARGET = Target(">=", 0.95)
 VERDICT = "CURVE on ÷ off, tok/s"
 
 
-def write_clusters(workdir: Path) -> dict[str, Path]:
-    """The demo cluster file twice (profiles by absolute path): as it is, and with ``keys_dir: keys``."""
+def write_clusters(workdir: Path, aa: bool = False) -> dict[str, Path]:
+    """The demo cluster file twice (profiles by absolute path): as it is, and with ``keys_dir: keys``
+    (``aa``: without, the A/A control)."""
     from helix.cli import main as helix
 
     raw = yaml.safe_load(DEMO_CLUSTER.read_text())
     raw["profiles"] = str((DEMO_CLUSTER.parent / raw["profiles"]).resolve())
     paths = {"off": workdir / "cluster-off.yaml", "on": workdir / "cluster-on.yaml"}
     paths["off"].write_text(yaml.safe_dump(raw, sort_keys=False))
-    paths["on"].write_text(yaml.safe_dump({**raw, "keys_dir": "keys"}, sort_keys=False))
+    paths["on"].write_text(yaml.safe_dump(raw if aa else {**raw, "keys_dir": "keys"}, sort_keys=False))
     if helix(["keys", str(workdir / "keys"), "--cluster", str(paths["on"])]) != 0:
         raise SystemExit("helix keys failed")
     return paths
@@ -83,6 +86,7 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=8, help="concurrent streaming chat clients")
     p.add_argument("--requests", type=int, default=24, help="requests per arm per round")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--aa", action="store_true", help="no keys in either cluster: the set-up's own bias (A/A)")
     p.add_argument("--quick", action="store_true", help="one round of 8 requests (a smoke run: its verdict means nothing)")
     args = p.parse_args()
     rounds, requests = (1, 8) if args.quick else (args.rounds, args.requests)
@@ -93,7 +97,7 @@ def main() -> None:
     log = RoundLog()
     try:
         plan = plan_demo(workdir)
-        clusters = write_clusters(workdir)
+        clusters = write_clusters(workdir, args.aa)
         with demo_cluster(clusters["off"], plan, workdir / "off", secret) as off, \
                 demo_cluster(clusters["on"], plan, workdir / "on", secret) as on:  # fmt: skip
             served = {"off": off, "on": on}
@@ -111,7 +115,8 @@ def main() -> None:
                     log.record(r, f"CURVE {arm} CPU s / 1000 tokens", 1000 * cpu / max(res.tokens, 1), "s")
                 log.ratio(VERDICT, "CURVE on tok/s", "CURVE off tok/s")
                 log.ratio("CURVE on ÷ off, CPU per token", "CURVE on CPU s / 1000 tokens", "CURVE off CPU s / 1000 tokens")
-        report(console, log, f"demo cluster (3 agents + helix serve), CURVE on vs off: {args.clients} clients, "
+        what = "A/A: both arms without keys" if args.aa else "CURVE on vs off"
+        report(console, log, f"demo cluster (3 agents + helix serve), {what}: {args.clients} clients, "
                              f"{requests} requests x {args.max_tokens} max tokens per arm, {rounds} round(s)",
                {VERDICT: TARGET})  # fmt: skip
     finally:

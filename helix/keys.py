@@ -21,10 +21,13 @@ router/agents_io.py) takes from here:
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import socket
-from collections.abc import Container, Mapping
+import threading
+import time
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -228,15 +231,45 @@ def predecessors(placement: Mapping[str, tuple[int, int] | list[int]], node: str
     return out
 
 
+REFUSAL_LOG_EVERY_S = 10.0
+
+
+class RefusalLog:
+    """The log of refused peers: each kind of refusal (plane and reason) at once the first time, then at
+    most once every ``every_s`` with how many were refused meanwhile, so that a refused peer reconnecting
+    every 100 ms (ZeroMQ's default) cannot flood the log. Thread-safe (the ZAP thread and the I/O thread)."""
+
+    def __init__(self, owner: str, every_s: float = REFUSAL_LOG_EVERY_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+        self.owner, self.every_s, self._clock = owner, every_s, clock
+        self._kinds: dict[tuple[str, str], tuple[float, int]] = {}  # (plane, why) -> (last logged, refused since)
+        self._lock = threading.Lock()
+        self.refused = 0
+
+    def refuse(self, plane: str, why: str) -> None:
+        now = self._clock()
+        with self._lock:
+            self.refused += 1
+            logged_at, since = self._kinds.get((plane, why), (-math.inf, 0))
+            if now - logged_at < self.every_s:
+                self._kinds[(plane, why)] = (logged_at, since + 1)
+                return
+            self._kinds[(plane, why)] = (now, 0)
+        more = f" ({since} more like it in the last {now - logged_at:.0f} s)" if since else ""
+        log.warning("refused a peer on the %s plane of %s: %s%s", plane, self.owner, why, more)
+
+
 class KeyGuard:
     """The ZAP credentials provider of one process: per plane (ZAP domain), the keys let in by vertex.
-    ``zmq.auth``'s authenticator calls :meth:`callback` from its thread for each CURVE handshake."""
+    ``zmq.auth``'s authenticator calls :meth:`callback` from its thread for each CURVE handshake; refusals
+    go to :attr:`refusals` (the socket monitors add the handshakes that never reach ZAP)."""
 
-    def __init__(self, owner: str, planes: Mapping[str, Mapping[str, bytes]], known: Mapping[str, bytes]) -> None:
+    def __init__(self, owner: str, planes: Mapping[str, Mapping[str, bytes]], known: Mapping[str, bytes],
+                 refusals: RefusalLog | None = None) -> None:  # fmt: skip
         self.owner = owner
         self._planes = {plane: {key: vertex for vertex, key in allowed.items()} for plane, allowed in planes.items()}
         self._known = {key: vertex for vertex, key in known.items()}
-        self.refused = 0
+        self.refusals = refusals or RefusalLog(owner)
 
     @property
     def domains(self) -> list[str]:
@@ -247,10 +280,9 @@ class KeyGuard:
         if vertex is not None:
             log.debug("%s plane of %s: %s's key accepted", domain, self.owner, vertex)
             return True
-        self.refused += 1
         who = self._known.get(key)
         why = f"{who!r}'s key, which may not send on this plane" if who else "a key not in the cluster file"
-        log.warning("refused a peer on the %s plane of %s: %s (%s)", domain, self.owner, why, key.decode(errors="replace"))
+        self.refusals.refuse(domain, f"{why} ({key.decode(errors='replace')})")
         return False
 
 

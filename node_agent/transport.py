@@ -76,7 +76,6 @@ class CurveSockets:
         for plane in guard.domains:
             self.auth.configure_curve_callback(plane, guard)
         self.monitors: dict[zmq.Socket[Any], str] = {}  # monitor socket -> its plane
-        self.failed_handshakes = 0
 
     def serve(self, sock: zmq.Socket[Any], plane: str) -> zmq.Socket[Any]:
         """Make ``sock`` (before it binds) a CURVE server of ``plane``; returns its monitor socket (poll it,
@@ -103,11 +102,8 @@ class CurveSockets:
             except zmq.Again:
                 return
             why = handshake_failure(int(event["event"]), int(event["value"]))
-            if why is None:
-                continue
-            self.failed_handshakes += 1
-            if int(event["event"]) != HANDSHAKE_FAILED_AUTH:  # a refused key: KeyGuard logged it with the key
-                log.warning("refused a peer on the %s plane of %s: %s", plane, self.guard.owner, why)
+            if why is not None and int(event["event"]) != HANDSHAKE_FAILED_AUTH:  # a refused key: KeyGuard logged it
+                self.guard.refusals.refuse(plane, why)
 
     def close(self) -> None:
         for monitor in self.monitors:

@@ -169,6 +169,9 @@ def run_demo(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM unwinds like Ctrl-C: the finally cleans up
     check_port_free("127.0.0.1", args.port)
     cluster, profiles = _load(args.cluster)
+    from helix.keys import coordinator_keys
+
+    curve = coordinator_keys(cluster)  # a --cluster with keys: its agents run CURVE (before any agent starts)
     with console.status("planning the demo cluster ..."):
         plan = _plan_demo(cluster, profiles, args.method)
     _print_placement(console, cluster, plan)
@@ -183,7 +186,7 @@ def run_demo(args: argparse.Namespace) -> int:
     try:
         agents.start(plan.placement)
         addresses = _wait_agents(console, agents, len(plan.placement))
-        _serve_demo(console, args, cluster, plan, profiles, addresses, secret.encode())
+        _serve_demo(console, args, cluster, plan, profiles, addresses, secret.encode(), curve)
         failed = False
     except KeyboardInterrupt:
         console.print("\nstopping ...")
@@ -214,12 +217,13 @@ def _wait_agents(console: Any, agents: Any, total: int) -> dict[str, str]:
 
 
 def _serve_demo(console: Any, args: argparse.Namespace, cluster: Any, plan: Any, profiles: Any,
-                addresses: dict[str, str], secret: bytes) -> None:
+                addresses: dict[str, str], secret: bytes, curve: Any = None) -> None:
     from router.serving import build_coordinator, create_server_app, make_server
 
     keys = _api_keys(args)
     coordinator = build_coordinator(cluster, plan, profiles, _options(args))
-    app = create_server_app(coordinator, addresses, secret=secret, api_keys=keys, dead_after_s=args.dead_after_s)
+    app = create_server_app(coordinator, addresses, secret=secret, api_keys=keys, dead_after_s=args.dead_after_s,
+                            curve=curve)
     server: Any = make_server(app, "127.0.0.1", args.port)
 
     async def main() -> None:

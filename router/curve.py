@@ -18,8 +18,6 @@ import zmq
 
 from helix.keys import HANDSHAKE_FAILED, HANDSHAKE_FAILED_AUTH, RESULTS, KeyGuard, KeyPair, handshake_failure
 
-log = logging.getLogger(__name__)
-
 
 class CoordinatorCurve:
     """The coordinator's key pair, the agents' public keys (node -> Z85) and its ZAP authenticator."""
@@ -33,7 +31,6 @@ class CoordinatorCurve:
         self.auth.start()  # before the sink binds: a CURVE server without a ZAP handler lets every key in
         self.auth.configure_curve_callback(RESULTS, self.guard)
         self.monitor: zmq.Socket[Any] | None = None
-        self.failed_handshakes = 0
 
     def serve_results(self, sink: zmq.Socket[Any]) -> zmq.Socket[Any]:
         """Make the result sink (before it binds) a CURVE server for the agents; returns its monitor socket."""
@@ -57,11 +54,8 @@ class CoordinatorCurve:
             except zmq.Again:
                 return
             why = handshake_failure(int(event["event"]), int(event["value"]))
-            if why is None:
-                continue
-            self.failed_handshakes += 1
-            if int(event["event"]) != HANDSHAKE_FAILED_AUTH:  # a refused key: KeyGuard logged it with the key
-                log.warning("refused a peer on the %s plane of %s: %s", RESULTS, self.guard.owner, why)
+            if why is not None and int(event["event"]) != HANDSHAKE_FAILED_AUTH:  # a refused key: KeyGuard logged it
+                self.guard.refusals.refuse(RESULTS, why)
 
     def close(self) -> None:
         if self.monitor is not None:

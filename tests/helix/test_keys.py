@@ -22,6 +22,7 @@ from helix.keys import (
     DATA,
     LOOPBACK_HOSTS,
     KeyGuard,
+    RefusalLog,
     coordinator_keys,
     peer_policy,
     predecessors,
@@ -115,9 +116,27 @@ def test_key_guard_lets_in_each_planes_keys_and_logs_the_rest(caplog: pytest.Log
     with caplog.at_level(logging.WARNING):
         assert not guard.callback(CONTROL, node)
         assert not guard.callback(DATA, stranger)
-    assert guard.refused == 2
+    assert guard.refusals.refused == 2
     assert "refused a peer on the control plane of b: 'a''s key, which may not send on this plane" in caplog.text
     assert "refused a peer on the data plane of b: a key not in the cluster file" in caplog.text
+
+
+def test_a_peer_that_keeps_reconnecting_cannot_flood_the_log(caplog: pytest.LogCaptureFixture) -> None:
+    now = [0.0]
+    refusals = RefusalLog("cpu-1", every_s=10.0, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING):
+        for _ in range(50):  # ZeroMQ retries every 100 ms: 5 s of a refused peer
+            refusals.refuse("data", "the peer does not speak CURVE")
+            now[0] += 0.1
+        refusals.refuse("control", "the peer does not speak CURVE")  # another plane: its own line
+        now[0] = 12.0
+        refusals.refuse("data", "the peer does not speak CURVE")
+    lines = [r.getMessage() for r in caplog.records]
+    assert refusals.refused == 52 and lines == [
+        "refused a peer on the data plane of cpu-1: the peer does not speak CURVE",
+        "refused a peer on the control plane of cpu-1: the peer does not speak CURVE",
+        "refused a peer on the data plane of cpu-1: the peer does not speak CURVE (49 more like it in the last 12 s)",
+    ]
 
 
 def test_helix_keys_writes_certificates_and_never_overwrites(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
