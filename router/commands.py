@@ -127,6 +127,11 @@ def run_serve(args: argparse.Namespace) -> int:
     curve = coordinator_keys(cluster, args.key)
     addresses = agent_addresses(cluster, plan, overrides)
     reply_host = host_of(cluster.coordinator.address) if cluster.coordinator.address else "127.0.0.1"
+    remote = sorted(n for n, a in addresses.items() if host_of(a) not in LOOPBACK)
+    if remote and reply_host in LOOPBACK:
+        raise ConfigError(f"agents {', '.join(remote)} are on other hosts but the coordinator's result sink would "
+                          f"bind {reply_host}: give the coordinator's address (its host, reachable from them)",
+                          source=cluster.source, field="coordinator.address")  # fmt: skip
     if curve is None and any(host_of(a) not in LOOPBACK for a in [*addresses.values(), f"tcp://{reply_host}:0"]):
         log.warning("agents beyond loopback without CURVE keys: activations and tokens travel unencrypted and "
                     "unauthenticated (run `helix keys`, docs/gpu.md)")
