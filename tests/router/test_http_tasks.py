@@ -6,7 +6,9 @@ task (Helix's layout) are listed in the cluster file's ``tasks:``; a mask task i
 unloaded at runtime through ``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter``. Greedy
 tokens equal the references: ``peft`` on the transformers model for the LoRA, transformers on a
 copy of the base with the diff or mask merged into its weights for the others. Every agent reads
-the task directories itself, only the tensors of its own layers.
+the task directories itself, only the tensors of its own layers. Streaming requests over a task of
+every PET type (an adapter and a BitFit task loaded at runtime too) and the base, joining each other
+mid-flight, give the text each gives alone.
 """
 
 from __future__ import annotations
@@ -84,6 +86,32 @@ def random_mask_complement(hf: Any, seed: int = 6, zeroed: float = 0.04) -> dict
             idx = _positions(gen, shape, zeroed)
             out[f"model.layers.{i}.{m}.weight_mask_complement"] = torch.sparse_coo_tensor(
                 idx, torch.ones(idx.shape[1], dtype=torch.bool), shape, check_invariants=True).coalesce()
+    return out
+
+
+def random_adapter(hf: Any, seed: int = 7, bottleneck: int = 16) -> dict[str, torch.Tensor]:
+    gen, h = torch.Generator().manual_seed(seed), hf.config.hidden_size
+    out = {}
+    for i in range(hf.config.num_hidden_layers):
+        for place in ("attn_adapter", "mlp_adapter"):
+            p = f"model.layers.{i}.{place}"
+            out[f"{p}.down.weight"] = torch.randn(bottleneck, h, generator=gen) / h ** 0.5
+            out[f"{p}.down.bias"] = torch.randn(bottleneck, generator=gen) * 0.1
+            out[f"{p}.up.weight"] = torch.randn(h, bottleneck, generator=gen) * 0.1 / bottleneck ** 0.5
+            out[f"{p}.up.bias"] = torch.randn(h, generator=gen) * 0.02
+    return out
+
+
+def random_bitfit(hf: Any, seed: int = 8) -> dict[str, torch.Tensor]:
+    gen, h = torch.Generator().manual_seed(seed), hf.config.hidden_size
+    out = {}
+    for i in range(hf.config.num_hidden_layers):
+        for m in (*ATTENTION, "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+            out[f"model.layers.{i}.{m}.bias"] = torch.randn(_shape(hf, m)[0], generator=gen) * 0.05
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out[f"model.layers.{i}.{norm}.bias"] = torch.randn(h, generator=gen) * 0.05
+    out["model.norm.bias"] = torch.randn(h, generator=gen) * 0.1
+    out["lm_head.bias"] = torch.randn(hf.config.vocab_size, generator=gen) * 0.5
     return out
 
 
@@ -230,6 +258,37 @@ def test_metrics_count_requests_and_tokens_per_task(cluster: ServingCluster, pro
     tokens = {(lab["task"], lab["kind"]): v for n, lab, v in samples if n == "helix_task_tokens_total"}
     assert requests["diff-task"] >= 1 and requests["sql-lora"] >= 1
     assert tokens["diff-task", "generated"] >= 3 and tokens["diff-task", "prompt"] >= len(prompts[0])
+
+
+def test_requests_over_all_five_pet_types_joining_mid_flight_equal_each_alone(
+        cluster: ServingCluster, task_dirs: dict[str, Any], hf: Any, prompts: list[list[int]]) -> None:  # fmt: skip
+    """12 streaming requests over a task of each PET type and the base, each started once the one before
+    it streamed its first token (so the agents' steps mix tasks, prefills and decodes), give exactly the
+    text each gives served alone."""
+    from node_agent.task_files import save_pet
+
+    root, runtime = task_dirs["root"], ("mask-task", "adapter-task", "bitfit-task")
+    save_pet(root / "adapter-task", "adapter", random_adapter(hf))
+    save_pet(root / "bitfit-task", "bitfit", random_bitfit(hf))
+    for name in runtime:
+        assert load(cluster, name, root / name).status_code == 200
+    try:
+        names = ["sql-lora", "adapter-task", MODEL, "bitfit-task", "diff-task", "mask-task"]
+        requests = [(name, prompts[k]) for k in (0, 2) for name in names]
+        alone = [complete(cluster, name, prompt, max_tokens=24).choices[0].text for name, prompt in requests]
+        assert len(set(alone[:6])) == 6  # every task gives its own text on the same prompt
+        streams, texts = [], []
+        for name, prompt in requests:
+            stream = iter(cluster.client().completions.create(model=name, prompt=prompt, max_tokens=24, temperature=0,
+                                                              stream=True))  # fmt: skip
+            texts.append([next(stream).choices[0].text])
+            streams.append(stream)
+        for stream, parts in zip(streams, texts, strict=True):
+            parts += [c.choices[0].text for c in stream if c.choices]
+        assert ["".join(parts) for parts in texts] == alone
+    finally:
+        for name in runtime:
+            unload(cluster, name)
 
 
 # ---- runtime load / unload ---------------------------------------------------------------------------
