@@ -5,8 +5,9 @@ decoder layers (its pipeline-parallel layer partition, ``get_pp_indices``, is po
 stage's range while the model is built), with its fused layers: merged QKV and gate/up
 projections, RMSNorm with fused residual add, rotary embedding, SiLU-and-mul. On CPU, where
 vLLM's build has no RMSNorm or SiLU-and-mul kernel (its eager layers chain PyTorch ops there and
-its own engine fuses them with ``torch.compile``), the norms and the activation run the node's
-native kernels instead (:class:`NativeRMSNorm`). Attention is ours
+its own engine fuses them with ``torch.compile``), float32 stages run the norms and the activation
+on the node's native kernels instead (:class:`NativeRMSNorm`); other dtypes keep vLLM's layers,
+whose norm computes its variance in float32. Attention is ours
 (:class:`~node_agent.model.StepAttention` on our per-request KV cache): every layer's
 ``self_attn.attn`` is replaced, so the scheduler's batch (selective batching, chunked prefill,
 per-request layer sub-ranges) drives vLLM's layers directly. Embedding only where the stage
@@ -92,7 +93,7 @@ class NativeRMSNorm(nn.Module):
 
     vLLM's CPU build has no RMSNorm kernel: in eager mode its layer runs six PyTorch ops, and vLLM's
     own engine recovers the fusion only by ``torch.compile``. Our float32 kernel
-    (:func:`node_agent.model.rms_norm`; PyTorch's ``F.rms_norm`` for other dtypes) does it in one pass.
+    (:func:`node_agent.model.rms_norm`) does it in one pass; used for float32 stages only.
     """
 
     def __init__(self, weight: torch.Tensor, eps: float) -> None:
@@ -137,14 +138,14 @@ class VllmStageModel:
         for i in range(start, end):
             layer = model.model.layers[i]
             layer.self_attn.attn = HelixAttention(i, self._step, attention, config.num_kv_heads)
-            if self.device.type == "cpu":
+            if self.device.type == "cpu" and dtype == torch.float32:
                 _native_cpu_elementwise(layer)
             self.layers[i] = layer
         self.is_last = end == config.num_layers
         keeps_embedding = start == 0 or (self.is_last and config.tie_word_embeddings)
         self.embed_tokens: nn.Module | None = model.model.embed_tokens if start == 0 else None
         self.final_norm: nn.Module | None = model.model.norm if self.is_last else None
-        if self.final_norm is not None and self.device.type == "cpu":
+        if self.final_norm is not None and self.device.type == "cpu" and dtype == torch.float32:
             self.final_norm = NativeRMSNorm(self.final_norm.weight.data, self.final_norm.variance_epsilon)
         self.lm_head: nn.Module | None = model.lm_head if self.is_last else None
         self._logits_processor = model.logits_processor
