@@ -51,6 +51,7 @@ from harness import (  # noqa: E402
 from rich.progress import Progress  # noqa: E402
 
 from helix import wire  # noqa: E402
+from helix.domain import Stage  # noqa: E402
 from node_agent.backends import StageBackend  # noqa: E402
 from node_agent.engine import StageEngine  # noqa: E402
 from node_agent.gguf_convert import cached_model_dir  # noqa: E402
@@ -59,7 +60,6 @@ from node_agent.scheduler import SchedulerConfig  # noqa: E402
 from router.agent_events import TokenEvent  # noqa: E402
 from router.agents_io import AgentsIO  # noqa: E402
 from router.launch import process_cpu_seconds  # noqa: E402
-from router.pipeline import Stage  # noqa: E402
 
 console = make_console()
 SPLIT = {"a": (0, 10), "b": (10, 20), "c": (20, 30)}

@@ -27,6 +27,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from helix.domain import Pipeline
 from helix.errors import HelixError, OverloadedError, RequestError
 from router.coordinator import Coordinator
 from router.metrics import ServingMetrics
@@ -51,7 +52,6 @@ from router.openai_schema import (
     error_body,
     now_s,
 )
-from router.pipeline import Pipeline
 from router.request_state import Finish, GenerationRequest, RequestHandle
 from router.task_routes import add_task_routes
 

@@ -37,12 +37,13 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Container, Mapping
 
+from helix.domain import Pipeline
 from helix.errors import CapacityError, HelixError, NoRouteError, OverloadedError, UnknownTaskError
 from helix.wire import SamplingSpec, TaskStatus, Welcome
 from router.agent_events import TokenEvent
 from router.agents_io import AgentsIO
 from router.metrics import ServingMetrics
-from router.pipeline import Pipeline, build_pipeline
+from router.pipeline import build_pipeline
 from router.policy import Router, RouteRequest
 from router.request_state import Finish, Flight, GenerationRequest, RequestHandle
 from router.stops import StopMatcher

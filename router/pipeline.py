@@ -1,7 +1,7 @@
 """Stages, pipelines and their hop-by-hop construction over a placement (Helix section 4.1).
 
-A :class:`Stage` is one node running a half-open layer range; a :class:`Pipeline` is the
-ordered stages a request runs through, coordinator -> stages -> coordinator. The
+Stages and pipelines are :mod:`helix.domain`'s (one node running a half-open layer range; the
+ordered stages a request runs through, coordinator -> stages -> coordinator). The
 :class:`Topology` holds, for the coordinator and for every node, the valid next hops of the
 plan's max-flow graph (``planner.graph.hands_off``: node ``j`` may follow ``i`` when
 ``s_j <= e_i < e_j``, and the link ``i -> j`` exists). :func:`build_pipeline` walks it from the
@@ -15,8 +15,8 @@ end the walk backtracks to the next candidate, and when nothing is reachable it 
 from __future__ import annotations
 
 from collections.abc import Callable, Container, Mapping
-from dataclasses import dataclass
 
+from helix.domain import Pipeline, Stage
 from helix.errors import NoRouteError
 from planner.graph import hands_off
 
@@ -24,47 +24,6 @@ _NONE: frozenset[str] = frozenset()
 
 # chooser(vertex, excluded, admissible) -> next node id (or the coordinator id for the sink) or None
 Chooser = Callable[[str, Container[str], Callable[[str], bool]], str | None]
-
-
-@dataclass(slots=True, frozen=True)
-class Stage:
-    """One hop of a pipeline: ``node`` runs layers ``[layer_start, layer_end)``."""
-
-    node: str
-    layer_start: int
-    layer_end: int
-
-    @property
-    def num_layers(self) -> int:
-        return self.layer_end - self.layer_start
-
-
-@dataclass(slots=True, frozen=True)
-class Pipeline:
-    """The stages of one request, in order; together they run every layer exactly once."""
-
-    stages: tuple[Stage, ...]
-
-    @property
-    def nodes(self) -> tuple[str, ...]:
-        return tuple(s.node for s in self.stages)
-
-    def __len__(self) -> int:
-        return len(self.stages)
-
-    def layers_on(self, node: str) -> int:
-        return sum(s.num_layers for s in self.stages if s.node == node)
-
-    def check(self, num_layers: int) -> None:
-        """Invariant: consecutive, non-empty ranges covering ``[0, num_layers)``."""
-        at = 0
-        for s in self.stages:
-            assert s.layer_start == at and s.layer_end > s.layer_start, f"bad stage {s} after layer {at}"
-            at = s.layer_end
-        assert at == num_layers, f"pipeline ends at layer {at}, model has {num_layers}"
-
-    def describe(self) -> str:
-        return " -> ".join(f"{s.node}[{s.layer_start},{s.layer_end})" for s in self.stages)
 
 
 class Topology:

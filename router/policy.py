@@ -12,13 +12,14 @@ from __future__ import annotations
 from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass
 
+from helix.domain import Pipeline
 from helix.errors import ConfigError
 from helix.plan import Plan
 from helix.profile import ProfileSet
 from helix.spec import ClusterSpec
 from router.iwrr import IWRR
 from router.kv import DEFAULT_WATERMARK, KVEstimator
-from router.pipeline import Chooser, Pipeline, Topology, build_pipeline
+from router.pipeline import Chooser, Topology, build_pipeline
 
 
 @dataclass(slots=True)

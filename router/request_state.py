@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from helix.domain import Pipeline
 from helix.errors import HelixError
-from router.pipeline import Pipeline
 from router.stops import StopMatcher
 from router.tokenizer import IncrementalDetokenizer
 

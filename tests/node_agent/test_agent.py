@@ -28,10 +28,10 @@ import torch
 import zmq
 
 from helix import wire
+from helix.domain import Stage
 from node_agent.step_log import read_step_log
 from router.agent_events import TokenEvent
 from router.agents_io import AgentsIO
-from router.pipeline import Stage
 
 SECRET = "agent-test-secret"
 NEW_TOKENS = 10  # conftest.SMOLLM2_NEW_TOKENS: hf_greedy continuations are this long

@@ -24,11 +24,11 @@ import zmq
 import zmq.auth
 
 from helix import wire
+from helix.domain import Stage
 from helix.keys import CurveKeys, coordinator_keys, read_certificate
 from helix.spec import load_cluster
 from router.agents_io import AgentsIO
 from router.launch import AgentProcesses
-from router.pipeline import Stage
 
 SECRET = "curve-test-secret"
 PLACEMENT = {"a": (0, 16), "b": (16, 30)}

@@ -17,10 +17,10 @@ import pytest
 import zmq
 
 from helix import wire
+from helix.domain import Stage
 from helix.errors import NoRouteError, RequestError
 from router.agent_events import AsyncTokenStream, TokenEvent
 from router.agents_io import AgentsIO
-from router.pipeline import Stage
 
 SECRET = b"io-test"
 

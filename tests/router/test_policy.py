@@ -7,13 +7,14 @@ from pathlib import Path
 
 import pytest
 
+from helix.domain import Pipeline, Stage
 from helix.errors import NoRouteError
 from helix.plan import load_plan
 from helix.profile import load_profiles_for
 from helix.spec import load_cluster
 from router.iwrr import IWRR
 from router.kv import KVEstimator
-from router.pipeline import Pipeline, Stage, Topology, build_pipeline
+from router.pipeline import Topology, build_pipeline
 from router.policy import Router, RouteRequest
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from helix.domain import Stage
 from helix.plan import FlowEdge, Plan, load_plan
 from helix.profile import GpuProfile, ModelProfile, ProfileSet, ThroughputProfile, load_profiles_for
 from helix.spec import ClusterSpec, load_cluster
-from router.pipeline import Stage
 from simulator.engine import SimConfig, Simulation, simulate
 from simulator.results import LEGACY_MECHANISMS
 from simulator.routing import judge_flows
