@@ -1,36 +1,54 @@
-"""What the coordinator's transport (:class:`router.agents_io.AgentsIO`) reports to its caller:
-every request's token events, each agent's latest KV report, and the bridge that hands a
-request's events from the I/O thread to an asyncio loop."""
+"""What the coordinator core hears from the cluster (:meth:`router.core.CoordinatorCore.update_from_output`)
+and what the transport (:class:`router.agents_io.AgentsIO`) reports about each agent.
+
+Besides the agents' own messages (``wire.Tokens`` from last stages, ``wire.Refused`` from any
+stage), the transport turns what it observes into events: an agent completed the handshake
+(:class:`AgentJoined`), its heartbeats stopped (:class:`AgentDied`), a message to it could not be
+sent (:class:`Unreachable`), and the shell folds the agents' KV heartbeats in (:class:`KVReported`).
+"""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable
 from dataclasses import dataclass
 
+from helix import wire
 from helix.wire import StepStats
 
 
 @dataclass(frozen=True, slots=True)
-class TokenEvent:
-    """One event of a request: a token (``token_id``), its end (``finished``), or an ``error``.
+class AgentJoined:
+    """``node``'s agent completed the handshake; ``welcome`` says what it holds and where its data plane is."""
 
-    ``error_code``: ``capacity`` (can never fit in some stage's KV), ``agent_dead``, ``unreachable``,
-    ``bad_request`` ...; errors are always ``finished``. ``finish_reason``: ``stop``, ``length``,
-    ``cancelled`` or ``error``.
-    """
-
-    request_id: str
-    token_id: int | None
-    index: int
-    finished: bool = False
-    finish_reason: str | None = None
-    error_code: str | None = None
-    error: str | None = None
-    node_id: str | None = None
+    node: str
+    welcome: wire.Welcome
 
 
-TokenCallback = Callable[[TokenEvent], None]
+@dataclass(frozen=True, slots=True)
+class AgentDied:
+    """``node``'s heartbeats stopped (or it could not be reached): route around it."""
+
+    node: str
+
+
+@dataclass(frozen=True, slots=True)
+class Unreachable:
+    """A message of attempt ``wire_id`` could not be sent to ``node`` (not connected, or not taking messages)."""
+
+    node: str
+    wire_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class KVReported:
+    """``node``'s KV use in entries (tokens x its layers), from its latest heartbeat."""
+
+    node: str
+    used: float
+    reserved: float
+    capacity: float
+
+
+AgentEvent = wire.Tokens | wire.Refused | AgentJoined | AgentDied | Unreachable | KVReported
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,25 +64,3 @@ class KVReport:
     running: int
     age_s: float
     steps: StepStats = StepStats()
-
-
-class AsyncTokenStream:
-    """Bridge to asyncio: pass ``stream.put`` as ``on_token``; ``async for event in stream`` until finished."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        self._loop = loop or asyncio.get_running_loop()
-        self._queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
-
-    def put(self, event: TokenEvent) -> None:  # I/O thread
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
-
-    def __aiter__(self) -> AsyncTokenStream:
-        self._done = False
-        return self
-
-    async def __anext__(self) -> TokenEvent:
-        if self._done:
-            raise StopAsyncIteration
-        event = await self._queue.get()
-        self._done = event.finished
-        return event

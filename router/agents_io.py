@@ -11,37 +11,35 @@ With ``curve`` (the coordinator's keys and the agents', :func:`helix.keys.coordi
 sockets runs ZeroMQ CURVE: each DEALER expects its agent's public key, the sink lets in only the
 agents' keys, and refused handshakes are logged.
 
-A request is ADMITted to its pipeline's first stage; every token that comes back is handed to
-the request's callback and, unless it finished, sent back to the first stage as STEP (only the
-new token). When a request finishes, is refused or cancelled, CANCEL frees its KV on every stage.
-An agent whose heartbeats stop for ``dead_after_s`` is declared dead (``on_agent_dead``); its
-in-flight requests end with an ``agent_dead`` error event so the caller can re-route them; the
-agent is re-handshaken until it answers again (``on_agent_alive``).
+It is a pipe: it knows no requests. :meth:`AgentsIO.send` delivers the messages the coordinator core
+(:mod:`router.core`, through :mod:`router.driver`) decided on; everything the agents say comes back
+as one event stream (``on_event``): ``wire.Tokens`` and ``wire.Refused`` as they arrive,
+:class:`~router.agent_events.AgentJoined` after a handshake, :class:`~router.agent_events.AgentDied`
+when an agent's heartbeats stop for ``dead_after_s`` (it is then re-handshaken until it answers
+again), :class:`~router.agent_events.Unreachable` when an ADMIT or STEP could not be sent.
+TASK_STATUS goes to ``on_task_status``; the latest heartbeats are read with :meth:`kv_reports`.
 
-Callbacks run on the I/O thread and must be quick; :class:`router.agent_events.AsyncTokenStream`
-hands events to an asyncio loop. All public methods are thread-safe.
+Callbacks run on the I/O thread and must be quick. All public methods are thread-safe.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
-import os
 import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
 from helix import wire
-from helix.errors import NoRouteError, ProtocolError, RequestError
+from helix.errors import ProtocolError
 from helix.keys import CurveKeys
-from router.agent_events import KVReport, TokenCallback, TokenEvent
+from router.agent_events import AgentDied, AgentEvent, AgentJoined, KVReport, Unreachable
 from router.curve import CoordinatorCurve
 
 log = logging.getLogger(__name__)
@@ -65,28 +63,17 @@ class AgentState:
     auth_error: str | None = None
 
 
-@dataclass(slots=True)
-class _Flight:
-    request_id: str
-    wire_id: str
-    stages: tuple[wire.StageRef, ...]
-    on_token: TokenCallback | None
-    generated: int = 0
-
-
 class AgentsIO:
     """Connections to a set of agents (``node_id -> control address``); see the module doc."""
 
     def __init__(self, agents: Mapping[str, str], *, secret: bytes = b"", name: str = "coordinator",
                  bind_host: str = "127.0.0.1", dead_after_s: float = 1.0,
-                 on_token: TokenCallback | None = None,
-                 on_agent_dead: Callable[[str], None] | None = None,
-                 on_agent_alive: Callable[[str, wire.Welcome], None] | None = None,
+                 on_event: Callable[[AgentEvent], None] | None = None,
                  on_task_status: Callable[[wire.TaskStatus], None] | None = None,
                  max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES,
                  curve: CurveKeys | None = None) -> None:  # fmt: skip
         self.secret, self.name, self.dead_after_s = secret, name, dead_after_s
-        self.on_token, self.on_agent_dead, self.on_agent_alive = on_token, on_agent_dead, on_agent_alive
+        self.on_event = on_event
         self.on_task_status = on_task_status
         self.max_frame_bytes = max_frame_bytes
         self.ctx: zmq.Context[Any] = zmq.Context()
@@ -102,10 +89,6 @@ class AgentsIO:
         self.sink.bind(f"tcp://{bind_host}:*")
         self.reply_to: str = self.sink.getsockopt_string(zmq.LAST_ENDPOINT)
         self._agents = {n: AgentState(n, a) for n, a in agents.items()}
-        self._flights: dict[str, _Flight] = {}  # by request_id
-        self._by_wire: dict[str, _Flight] = {}
-        self._attempts = itertools.count()
-        self._session = os.urandom(4).hex()  # wire ids stay unique across coordinator restarts
         self._lock = threading.Lock()
         self._inbox: deque[Callable[[], None]] = deque()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -165,33 +148,18 @@ class AgentsIO:
                                 hb.running, now - a.heartbeat_at, hb.steps)
                     for n, a in self._agents.items() if a.alive and (hb := a.heartbeat) is not None}  # fmt: skip
 
-    def submit(self, request_id: str, prompt_ids: list[int], sampling: wire.SamplingSpec, pipeline: Any, *,
-               max_tokens: int, on_token: TokenCallback | None = None, task: str = "") -> None:
-        """Start a request on ``pipeline`` (a ``router.pipeline.Pipeline`` or a sequence of stages with
-        ``node``/``node_id``, ``layer_start``, ``layer_end``), running fine-tuned ``task`` ("" = the base
-        model). Events go to ``on_token`` (or the default).
+    def send(self, messages: Sequence[tuple[str, wire.Message]], *, from_io_thread: bool = False) -> None:
+        """Send ``(node, message)`` pairs in order. From the I/O thread (inside ``on_event``) they leave at
+        once, after anything queued before them; from other threads they are queued in call order."""
+        if from_io_thread:
+            self._run_inbox()
+            self._send_all(list(messages))
+        else:
+            self._call(functools.partial(self._send_all, list(messages)))
 
-        Raises ``NoRouteError`` if a stage's agent is not alive, ``RequestError`` for a bad request.
-        """
-        if not prompt_ids:
-            raise RequestError("the prompt has no tokens", param="prompt")
-        if max_tokens < 1:
-            raise RequestError(f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
-        with self._lock:
-            if request_id in self._flights:
-                raise RequestError(f"request {request_id!r} is already in flight", param="request_id")
-            stages = tuple(self._stage_ref(s) for s in getattr(pipeline, "stages", pipeline))
-            if not stages:
-                raise NoRouteError("empty pipeline")
-            flight = _Flight(request_id, f"{request_id}@{self._session}.{next(self._attempts)}", stages, on_token)
-            self._flights[request_id] = flight
-            self._by_wire[flight.wire_id] = flight
-        admit = wire.Admit(flight.wire_id, tuple(prompt_ids), max_tokens, sampling, stages, self.reply_to, task)
-        self._call(lambda: self._send(stages[0].node_id, admit))
-
-    def cancel(self, request_id: str) -> None:
-        """Stop a request on every stage and free its KV; its callback gets a ``cancelled`` event."""
-        self._call(lambda: self._end(request_id, "cancelled"))
+    def _send_all(self, messages: list[tuple[str, wire.Message]]) -> None:
+        for node, msg in messages:
+            self._send(node, msg)
 
     def send_task(self, node_id: str, msg: wire.LoadTask | wire.UnloadTask) -> None:
         """Send LOAD_TASK / UNLOAD_TASK to ``node_id``; its TASK_STATUS goes to ``on_task_status`` (a
@@ -199,15 +167,6 @@ class AgentsIO:
         self._call(lambda: self._send_task(node_id, msg))
 
     # -- internals (I/O thread unless noted) ----------------------------------------------------
-
-    def _stage_ref(self, stage: Any) -> wire.StageRef:  # caller holds the lock
-        node = getattr(stage, "node", None) or getattr(stage, "node_id", None)
-        agent = self._agents.get(node) if isinstance(node, str) else None
-        if agent is None or not isinstance(node, str):
-            raise NoRouteError(f"pipeline stage {stage!r}: unknown node")
-        if not agent.alive or agent.welcome is None:
-            raise NoRouteError(f"node {node!r} of the pipeline is not connected (dead or not yet ready)")
-        return wire.StageRef(node, int(stage.layer_start), int(stage.layer_end), agent.welcome.data_address)
 
     def _call(self, fn: Callable[[], None]) -> None:  # any thread
         self._inbox.append(fn)
@@ -243,13 +202,16 @@ class AgentsIO:
                     pass
             except (BlockingIOError, OSError):
                 pass
-            while self._inbox:
-                self._inbox.popleft()()
+            self._run_inbox()
             self._check_liveness(poller)
         for agent in self._agents.values():
             if agent.sock is not None:
                 agent.sock.close(linger=0)
         self.sink.close(linger=0)
+
+    def _run_inbox(self) -> None:
+        while self._inbox:
+            self._inbox.popleft()()
 
     def _drain(self, sock: Any, handle: Callable[[list[Any]], None]) -> None:
         for _ in range(1024):
@@ -284,12 +246,10 @@ class AgentsIO:
             return False
 
     def _send(self, node_id: str, msg: wire.Message) -> None:
-        agent = self._agents[node_id]
-        if not agent.alive or not self._send_raw(agent, msg):
+        agent = self._agents.get(node_id)
+        if agent is None or not agent.alive or not self._send_raw(agent, msg):
             if isinstance(msg, wire.Admit | wire.Step):
-                flight = self._by_wire.get(msg.request_id)
-                if flight is not None:
-                    self._fail(flight, "agent_dead", f"node {node_id!r} is not reachable", node_id)
+                self._emit(Unreachable(node_id, msg.request_id))
 
     def _send_task(self, node_id: str, msg: wire.LoadTask | wire.UnloadTask) -> None:
         agent = self._agents.get(node_id)
@@ -326,8 +286,7 @@ class AgentsIO:
             with self._lock:
                 agent.welcome, agent.alive, agent.last_seen, agent.auth_error = msg, True, now, None
             log.info("agent %s is alive (layers [%d, %d))", agent.node_id, msg.layer_start, msg.layer_end)
-            if self.on_agent_alive is not None:
-                self.on_agent_alive(agent.node_id, msg)
+            self._emit(AgentJoined(agent.node_id, msg))
         elif isinstance(msg, wire.Heartbeat) and agent.alive:
             with self._lock:
                 agent.heartbeat, agent.heartbeat_at, agent.last_seen = msg, now, now
@@ -336,7 +295,7 @@ class AgentsIO:
                 agent.auth_error = f"the agent rejected our shared secret: {msg.reason}"
             log.warning("agent %s: error %s: %s", agent.node_id, msg.code, msg.reason)
         elif isinstance(msg, wire.Tokens | wire.Refused):
-            self._on_result(msg)
+            self._emit(msg)
         elif isinstance(msg, wire.TaskStatus) and msg.node_id == agent.node_id:
             self._task_status(msg)
 
@@ -349,54 +308,15 @@ class AgentsIO:
             self.rejected += 1
             log.warning("rejected a data-plane message: %s", exc.message)
             return
-        self._on_result(msg)
+        self._emit(msg)
 
-    def _on_result(self, msg: wire.Tokens | wire.Refused) -> None:
-        if isinstance(msg, wire.Refused):
-            flight = self._by_wire.get(msg.request_id)
-            if flight is not None:
-                self._fail(flight, msg.code, f"node {msg.node_id}: {msg.reason}", msg.node_id)
-            return
-        for out in msg.tokens:
-            flight = self._by_wire.get(out.request_id)
-            if flight is None:
-                continue  # cancelled or re-routed meanwhile
-            flight.generated += 1
-            self._emit(flight, TokenEvent(flight.request_id, out.token_id, out.step, out.finished,
-                                          out.finish_reason or None, node_id=msg.node_id))  # fmt: skip
-            if out.finished:
-                self._drop(flight, "finished", skip_last=True)
-            elif len(flight.stages) > 1:
-                self._send(flight.stages[0].node_id, wire.Step(flight.wire_id, out.step, out.token_id))
-
-    def _emit(self, flight: _Flight, event: TokenEvent) -> None:
-        callback = flight.on_token or self.on_token
-        if callback is None:
+    def _emit(self, event: AgentEvent) -> None:
+        if self.on_event is None:
             return
         try:
-            callback(event)
+            self.on_event(event)
         except Exception:  # a caller's bug must not kill the I/O thread
-            log.exception("token callback for %s failed", flight.request_id)
-
-    def _fail(self, flight: _Flight, code: str, reason: str, node_id: str | None) -> None:
-        self._drop(flight, f"error:{code}")
-        self._emit(flight, TokenEvent(flight.request_id, None, flight.generated, True, "error", code, reason, node_id))
-
-    def _end(self, request_id: str, reason: str) -> None:
-        flight = self._flights.get(request_id)
-        if flight is not None:
-            self._drop(flight, reason)
-            self._emit(flight, TokenEvent(request_id, None, flight.generated, True, reason))
-
-    def _drop(self, flight: _Flight, reason: str, skip_last: bool = False) -> None:
-        with self._lock:
-            self._flights.pop(flight.request_id, None)
-            self._by_wire.pop(flight.wire_id, None)
-        stages = flight.stages[:-1] if skip_last else flight.stages
-        for node in dict.fromkeys(s.node_id for s in stages):
-            agent = self._agents[node]
-            if agent.alive:
-                self._send_raw(agent, wire.Cancel(flight.wire_id, reason))
+            log.exception("event handler failed on %s", type(event).__name__)
 
     def _check_liveness(self, poller: zmq.Poller) -> None:
         now = time.monotonic()
@@ -405,10 +325,7 @@ class AgentsIO:
                 with self._lock:
                     agent.alive = False
                 log.warning("agent %s missed its heartbeats for %.1f s: dead", agent.node_id, now - agent.last_seen)
-                for flight in [f for f in self._flights.values() if any(s.node_id == agent.node_id for s in f.stages)]:
-                    self._fail(flight, "agent_dead", f"node {agent.node_id!r} died", agent.node_id)
-                if self.on_agent_dead is not None:
-                    self.on_agent_dead(agent.node_id)
+                self._emit(AgentDied(agent.node_id))
                 self._connect(agent, poller)
             elif not agent.alive and now - agent.hello_at > HELLO_RETRY_S:
                 agent.hello_at = now  # same socket and nonce: a late CHALLENGE still verifies

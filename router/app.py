@@ -29,7 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from helix.domain import Pipeline
 from helix.errors import HelixError, OverloadedError, RequestError
-from router.coordinator import Coordinator
+from router.coordinator import Coordinator, RequestHandle
 from router.metrics import ServingMetrics
 from router.openai_schema import (
     DEFAULT_MAX_TOKENS,
@@ -52,7 +52,7 @@ from router.openai_schema import (
     error_body,
     now_s,
 )
-from router.request_state import Finish, GenerationRequest, RequestHandle
+from router.request import Finish, GenerationRequest
 from router.task_routes import add_task_routes
 
 log = logging.getLogger(__name__)
@@ -274,8 +274,8 @@ async def _serve(request: Request, coordinator: Coordinator, gen: GenerationRequ
         await asyncio.wait([collect, gone], return_when=asyncio.FIRST_COMPLETED)
         if not collect.done():
             collect.cancel()
-            handle.cancel("client disconnected")
             coordinator.metrics.requests.labels(kind, "disconnected").inc()
+            handle.cancel("client disconnected")
             return Response(status_code=499)
         text, finish = collect.result()
     except HelixError:

@@ -27,6 +27,7 @@ from prometheus_client.utils import floatToGoString
 
 from helix.wire import STEP_STATS_BOUNDS, StepStats
 from router.agent_events import KVReport
+from router.request import Request
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -92,7 +93,8 @@ class NodeStepCollector(Collector):
 class ServingMetrics:
     """Every metric ``/metrics`` exposes."""
 
-    def __init__(self, planned_flows: Mapping[tuple[str, str], float]) -> None:
+    def __init__(self, planned_flows: Mapping[tuple[str, str], float], base_label: str = "") -> None:
+        self.base_label = base_label  # the base model's name: the task label of requests without a task
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("helix_requests", "HTTP generation requests by endpoint and outcome",
@@ -185,3 +187,37 @@ class ServingMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class MetricsObserver:
+    """What the coordinator core reports (:class:`router.core.CoreObserver`), counted in ``metrics``."""
+
+    __slots__ = ("metrics",)
+
+    def __init__(self, metrics: ServingMetrics) -> None:
+        self.metrics = metrics
+
+    def admitted(self, task: str, prompt_tokens: int) -> None:
+        m = self.metrics
+        m.prompt_tokens.inc(prompt_tokens)
+        m.task_requests.labels(task).inc()
+        m.task_tokens_add(task, "prompt", prompt_tokens)
+
+    def rejected(self, reason: str) -> None:
+        self.metrics.rejected.labels(reason).inc()
+
+    def token(self, request: Request, edges: tuple[tuple[str, str], ...], moved: int, now: float) -> None:
+        m = self.metrics
+        m.tokens_moved(edges, moved)
+        if request.output_ids:
+            m.tpot.observe(now - request.last_token_s)
+        else:
+            m.ttft.observe(now - request.arrival_s)
+        m.generated_tokens.inc()
+        m.task_tokens_add(request.params.task or m.base_label, "generated", 1)
+
+    def rerouted(self) -> None:
+        self.metrics.reroutes.inc()
+
+    def finished(self, request: Request, now: float) -> None:
+        self.metrics.latency.observe(now - request.arrival_s)

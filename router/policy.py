@@ -13,7 +13,7 @@ from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass
 
 from helix.domain import Pipeline
-from helix.errors import ConfigError
+from helix.errors import ConfigError, NoRouteError
 from helix.plan import Plan
 from helix.profile import ProfileSet
 from helix.spec import ClusterSpec
@@ -151,10 +151,22 @@ class Router:
     def report_kv(self, node: str, *, used: float, reserved: float | None = None, capacity: float | None = None) -> None:
         self.kv.report(node, used=used, reserved=reserved, capacity=capacity)
 
+    def can_ever_fit(self, tokens: int) -> bool:
+        """Whether some live pipeline could hold ``tokens`` if its nodes' KV were empty."""
+        kv, dead = self.kv, self.dead
+
+        def admissible(node: str, start: int, end: int) -> bool:
+            cap = kv.nodes[node].capacity if node in kv.nodes else None
+            return node not in dead and (cap is None or tokens * (end - start) <= kv.watermark * cap)
+
+        try:
+            build_pipeline(self.topology, lambda v, ex, ok: _first(self.topology.successors[v], ex, ok), admissible)
+        except NoRouteError:
+            return False
+        return True
+
     def has_route(self) -> bool:
         """Whether a complete pipeline exists through live nodes (ignoring KV)."""
-        from helix.errors import NoRouteError
-
         dead = self.dead
         try:
             build_pipeline(self.topology, lambda v, ex, ok: _first(self.topology.successors[v], ex, ok),

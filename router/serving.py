@@ -101,12 +101,10 @@ def create_server_app(coordinator: Coordinator, agents: Mapping[str, str], *, se
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        coordinator.loop = asyncio.get_running_loop()
         io = AgentsIO(dict(agents), secret=secret, dead_after_s=dead_after_s, bind_host=reply_host,
-                      on_agent_dead=coordinator.agent_dead_threadsafe,
-                      on_agent_alive=coordinator.agent_alive_threadsafe,
-                      on_task_status=coordinator.task_status_threadsafe, curve=curve)
-        coordinator.attach(io, coordinator.loop)
+                      on_event=coordinator.on_agent_event, on_task_status=coordinator.task_status_threadsafe,
+                      curve=curve)  # fmt: skip
+        coordinator.attach(io, asyncio.get_running_loop())
         io.start()
         watcher = asyncio.create_task(coordinator.watch_kv())
         startup = asyncio.create_task(coordinator.load_startup_tasks())
