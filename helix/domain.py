@@ -16,7 +16,7 @@ turns them into pipelines, the wire carries stages (plus an address), the simula
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import NamedTuple
@@ -104,6 +104,18 @@ class FinishReason(StrEnum):
     LENGTH = "length"  # max_tokens reached
     CANCELLED = "cancelled"  # the client went away, or the coordinator abandoned the attempt
     ERROR = "error"  # see the ErrorCode
+
+
+def token_finish(token: int, num_generated: int, max_tokens: int, stop_token_ids: Container[int]) -> FinishReason | None:
+    """The one rule for whether a sampled token ends its request: STOP on a stop token, LENGTH once
+    ``max_tokens`` are generated (``num_generated`` counts this token), else None. The last stage
+    applies it as it samples (to free its KV at once); the coordinator core applies it to every token
+    it receives, with stop strings on top."""
+    if token in stop_token_ids:
+        return FinishReason.STOP
+    if num_generated >= max_tokens:
+        return FinishReason.LENGTH
+    return None
 
 
 class ErrorCode(StrEnum):

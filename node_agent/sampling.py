@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from helix.domain import FinishReason, token_finish
 from helix.errors import RequestError
 from helix.wire import MAX_LOGIT_BIAS, MAX_PENALTY
 
@@ -186,11 +187,10 @@ def _sample_nucleus(probs: torch.Tensor, top_p: float, generator: torch.Generato
     return int(order[_inverse_cdf(top[: max(1, keep)], generator)])
 
 
-def finish_reason(token: int, num_generated: int, params: SamplingParams, *, grammar_done: bool = False) -> str | None:
+def finish_reason(token: int, num_generated: int, params: SamplingParams, *,
+                  grammar_done: bool = False) -> FinishReason | None:
     """``"stop"`` on a stop token or once the grammar is complete, ``"length"`` at ``max_tokens``,
     else ``None`` (keep going)."""
-    if token in params.stop_token_ids or grammar_done:
-        return "stop"
-    if num_generated >= params.max_tokens:
-        return "length"
-    return None
+    if grammar_done:
+        return FinishReason.STOP
+    return token_finish(token, num_generated, params.max_tokens, params.stop_token_ids)

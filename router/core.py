@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from helix import wire
-from helix.domain import ErrorCode, FinishReason, Pipeline
+from helix.domain import ErrorCode, FinishReason, Pipeline, token_finish
 from helix.errors import (
     CapacityError,
     HelixError,
@@ -301,14 +301,11 @@ class CoordinatorCore:
         request.attempt_tokens += 1
         token = out.token_id
         request.output_ids.append(token)
-        is_stop_token = token in self.stop_token_ids
-        text = "" if is_stop_token else request.stops.feed(request.detok.push(token))
-        reason: FinishReason | None = None
-        if is_stop_token or request.stops.stopped:
+        reason = token_finish(token, len(request.output_ids), request.params.max_tokens, self.stop_token_ids)
+        text = "" if token in self.stop_token_ids else request.stops.feed(request.detok.push(token))
+        if reason is None and request.stops.stopped:
             reason = FinishReason.STOP
-        elif len(request.output_ids) >= request.params.max_tokens:
-            reason = FinishReason.LENGTH
-        elif out.finished:
+        elif reason is None and out.finished:  # the last stage's grammar completed
             reason = FinishReason.LENGTH if out.finish_reason == FinishReason.LENGTH else FinishReason.STOP
         if reason is None:
             if len(request.pipeline) > 1:  # a one-stage pipeline feeds its own next step
