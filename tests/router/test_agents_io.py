@@ -1,13 +1,14 @@
-"""router.agents_io against scripted agents over real ZeroMQ (no torch, no model).
+"""router.agents_io, and router.pinned's client on top of it, against scripted agents over real
+ZeroMQ (no torch, no model).
 
 A scripted agent speaks the wire protocol like a node agent holding the whole model: it checks
 the handshake, heartbeats, and answers ADMIT / STEP with predictable tokens (prompt length, then
-+1 per step) pushed to the coordinator's sink.
++1 per step) pushed to the coordinator's sink. The transport is checked as a pipe (messages in, one
+event stream out); :class:`PinnedClient` adds the coordinator core (STEPs, stops, cancels, refusals).
 """
 
 from __future__ import annotations
 
-import asyncio
 import queue
 import threading
 import time
@@ -17,10 +18,12 @@ import pytest
 import zmq
 
 from helix import wire
-from helix.domain import Stage
-from helix.errors import NoRouteError, RequestError
-from router.agent_events import AsyncTokenStream, TokenEvent
+from helix.domain import ErrorCode, FinishReason, Stage
+from helix.errors import CapacityError, NoRouteError, RequestError
+from router.agent_events import AgentDied, AgentEvent, AgentJoined, Unreachable
 from router.agents_io import AgentsIO
+from router.pinned import PinnedClient
+from router.request import RequestOutput
 
 SECRET = b"io-test"
 
@@ -59,7 +62,7 @@ class ScriptedAgent(threading.Thread):
 
     def handle(self, identity: bytes, msg: wire.Message) -> None:
         self.received.append(msg)
-        if isinstance(msg, wire.Hello):
+        if isinstance(msg, wire.Hello) and self.heartbeats.is_set():  # a silent agent answers nothing
             ours = wire.make_nonce()
             self._nonces[identity] = (msg.nonce, ours)
             self.send(identity, wire.Challenge(self.node_id, ours, wire.prove(self.secret, "agent", msg.nonce, ours)))
@@ -97,65 +100,64 @@ def agent() -> Any:
     a.join(5)
 
 
-def collect(events: queue.Queue[TokenEvent]) -> list[TokenEvent]:
-    out = [events.get(timeout=10)]
-    while not out[-1].finished:
-        out.append(events.get(timeout=10))
-    return out
+WHOLE = (wire.StageRef("solo", 0, 30, "tcp://127.0.0.1:1"),)
+TWO_STAGES = [Stage("solo", 0, 10), Stage("solo", 10, 30)]  # one scripted node twice: the core drives STEPs
 
 
-def test_handshake_submit_tokens_and_kv_reports(agent: ScriptedAgent) -> None:
-    with AgentsIO({"solo": agent.address}, secret=SECRET) as io:
-        assert io.wait_ready(timeout_s=10)
-        events: queue.Queue[TokenEvent] = queue.Queue()
-        # a two-stage pipeline on one scripted node makes the coordinator drive STEPs
-        pipeline = [Stage("solo", 0, 10), Stage("solo", 10, 30)]
-        io.submit("r1", [7, 8, 9], wire.SamplingSpec(), pipeline, max_tokens=4, on_token=events.put)
-        got = collect(events)
-        assert [e.token_id for e in got] == [3, 4, 5, 6] and got[-1].finish_reason == "length"
-        assert [e.index for e in got] == [0, 1, 2, 3]
-        admit = next(m for m in agent.received if isinstance(m, wire.Admit))
-        assert admit.prompt == (7, 8, 9) and admit.pipeline[1].layer_start == 10
+def admit(wire_id: str, prompt: tuple[int, ...], max_tokens: int, io: AgentsIO) -> tuple[str, wire.Message]:
+    return "solo", wire.Admit(wire_id, prompt, max_tokens, wire.SamplingSpec(), WHOLE, io.reply_to)
+
+
+def until_finished(outputs: queue.Queue[RequestOutput]) -> list[RequestOutput]:
+    got = [outputs.get(timeout=10)]
+    while not got[-1].finished:
+        got.append(outputs.get(timeout=10))
+    return got
+
+
+def tokens_in(event: AgentEvent) -> list[tuple[str, int, int, bool]]:
+    """(wire id, step, token, finished) of each token in a TOKENS event."""
+    assert isinstance(event, wire.Tokens), event
+    return [(t.request_id, t.step, t.token_id, t.finished) for t in event.tokens]
+
+
+def test_handshake_messages_out_tokens_in_and_kv_reports(agent: ScriptedAgent) -> None:
+    events: queue.Queue[AgentEvent] = queue.Queue()
+    with AgentsIO({"solo": agent.address}, secret=SECRET, on_event=events.put) as io:
+        assert events.get(timeout=10) == AgentJoined("solo", wire.Welcome("solo", 0, 30, 1000, "tcp://127.0.0.1:1"))
+        assert io.alive_nodes() == {"solo"}
+        io.send([admit("r.1", (7, 8, 9), 2, io)])
+        assert tokens_in(events.get(timeout=10)) == [("r.1", 0, 3, False)]
+        io.send([("solo", wire.Step("r.1", 0, 3))])
+        assert tokens_in(events.get(timeout=10)) == [("r.1", 1, 4, True)]
         assert all(len(wire.encode(m)[0]) < 100 for m in agent.received if isinstance(m, wire.Step))
         deadline = time.monotonic() + 5
         while not io.kv_reports() and time.monotonic() < deadline:
             time.sleep(0.02)
         report = io.kv_reports()["solo"]
         assert (report.used_tokens, report.reserved_tokens, report.capacity_tokens) == (5, 10, 1000)
-        assert any(isinstance(m, wire.Cancel) and m.reason == "finished" for m in agent.received)
 
 
-def test_refusal_cancel_and_bad_submissions(agent: ScriptedAgent) -> None:
-    with AgentsIO({"solo": agent.address}, secret=SECRET) as io:
-        assert io.wait_ready(timeout_s=10)
-        events: queue.Queue[TokenEvent] = queue.Queue()
-        io.submit("big", [1] * 10, wire.SamplingSpec(), [Stage("solo", 0, 30)], max_tokens=5000, on_token=events.put)
-        [event] = collect(events)
-        assert event.error_code == "capacity" and "needs too much KV" in (event.error or "")
-        with pytest.raises(NoRouteError, match="unknown node"):
-            io.submit("x", [1], wire.SamplingSpec(), [Stage("ghost", 0, 30)], max_tokens=1)
-        with pytest.raises(RequestError, match="no tokens"):
-            io.submit("x", [], wire.SamplingSpec(), [Stage("solo", 0, 30)], max_tokens=1)
-        io.submit("long", [1], wire.SamplingSpec(), [Stage("solo", 0, 10), Stage("solo", 10, 30)], max_tokens=900,
-                  on_token=events.put)
-        assert events.get(timeout=10).token_id == 1
-        io.cancel("long")
-        last = collect(events)[-1]
-        assert last.finish_reason == "cancelled"
+def test_refusal_is_an_event(agent: ScriptedAgent) -> None:
+    events: queue.Queue[AgentEvent] = queue.Queue()
+    with AgentsIO({"solo": agent.address}, secret=SECRET, on_event=events.put) as io:
+        assert isinstance(events.get(timeout=10), AgentJoined)
+        io.send([admit("big.1", (1,) * 10, 5000, io)])
+        assert events.get(timeout=10) == wire.Refused("big.1", "solo", "capacity", "needs too much KV")
 
 
 def test_dead_agent_noticed_by_missing_heartbeats_and_alive_again(agent: ScriptedAgent) -> None:
-    dead: queue.Queue[str] = queue.Queue()
-    alive: queue.Queue[str] = queue.Queue()
-    with AgentsIO({"solo": agent.address}, secret=SECRET, dead_after_s=0.5, on_agent_dead=dead.put,
-                  on_agent_alive=lambda n, w: alive.put(n)) as io:
-        assert alive.get(timeout=10) == "solo"
+    events: queue.Queue[AgentEvent] = queue.Queue()
+    with AgentsIO({"solo": agent.address}, secret=SECRET, dead_after_s=0.5, on_event=events.put) as io:
+        assert isinstance(events.get(timeout=10), AgentJoined)
         agent.heartbeats.clear()
-        assert dead.get(timeout=5) == "solo" and io.alive_nodes() == set()
-        with pytest.raises(NoRouteError, match="not connected"):
-            io.submit("x", [1], wire.SamplingSpec(), [Stage("solo", 0, 30)], max_tokens=1)
+        assert events.get(timeout=5) == AgentDied("solo") and io.alive_nodes() == set()
+        io.send([admit("x.1", (1,), 1, io), ("ghost", wire.Step("y.1", 0, 1)), ("solo", wire.Cancel("x.1"))])
+        unreachable = [events.get(timeout=5), events.get(timeout=5)]
+        assert unreachable == [Unreachable("solo", "x.1"), Unreachable("ghost", "y.1")]  # and no event for the CANCEL
         agent.heartbeats.set()
-        assert alive.get(timeout=10) == "solo"
+        joined = events.get(timeout=10)
+        assert isinstance(joined, AgentJoined) and joined.node == "solo" and io.alive_nodes() == {"solo"}
 
 
 def test_wrong_secret_agent_is_not_trusted() -> None:
@@ -170,10 +172,45 @@ def test_wrong_secret_agent_is_not_trusted() -> None:
         impostor.join(5)
 
 
-def test_async_token_stream() -> None:
-    async def main() -> list[int | None]:
-        stream = AsyncTokenStream()
-        threading.Thread(target=lambda: [stream.put(TokenEvent("r", t, t, t == 2)) for t in range(3)]).start()
-        return [e.token_id async for e in stream]
+def test_pinned_client_steps_a_pipeline_and_stops_at_max_tokens(agent: ScriptedAgent) -> None:
+    with PinnedClient({"solo": agent.address}, secret=SECRET) as client:
+        client.submit("r1", [7, 8, 9], TWO_STAGES, max_tokens=4, temperature=0.0)
+        got = until_finished(client.outputs)
+        assert got[0].started and [t for o in got for t in o.token_ids] == [3, 4, 5, 6]
+        finish = got[-1].finish
+        assert finish is not None and finish.reason == FinishReason.LENGTH and finish.completion_tokens == 4
+        assert got[-1].node == "solo" and {o.request_id for o in got} == {"r1"}
+        # a one-stage request after it: its ADMIT reaches the agent after everything the core sent for r1
+        client.submit("r2", [5], [Stage("solo", 0, 30)], max_tokens=1, temperature=0.0)
+        assert [t for o in until_finished(client.outputs) for t in o.token_ids] == [1]
+    first = next(m for m in agent.received if isinstance(m, wire.Admit))
+    assert first.request_id == "r1.1" and first.prompt == (7, 8, 9) and first.max_tokens == 4
+    assert first.pipeline[1].layer_start == 10 and first.sampling.temperature == 0.0
+    # one STEP per token but the last: nothing runs after the request ends, its first stage is cancelled
+    assert [m.step for m in agent.received if isinstance(m, wire.Step)] == [0, 1, 2]
+    assert [m.request_id for m in agent.received if isinstance(m, wire.Cancel)] == ["r1.1"]
 
-    assert asyncio.run(main()) == [0, 1, 2]
+
+def test_pinned_client_refusal_cancel_and_bad_submissions(agent: ScriptedAgent) -> None:
+    with PinnedClient({"solo": agent.address}, secret=SECRET) as client:
+        client.submit("big", [1] * 10, [Stage("solo", 0, 30)], max_tokens=5000)
+        last = until_finished(client.outputs)[-1]
+        assert isinstance(last.error, CapacityError) and "needs too much KV" in last.error.message
+        assert last.code == ErrorCode.CAPACITY and last.node == "solo"
+        with pytest.raises(NoRouteError, match="not connected"):
+            client.submit("x", [1], [Stage("ghost", 0, 30)], max_tokens=1)
+        with pytest.raises(RequestError, match="no tokens"):
+            client.submit("x", [], [Stage("solo", 0, 30)], max_tokens=1)
+        with pytest.raises(RequestError, match="max_tokens"):
+            client.submit("x", [1], [Stage("solo", 0, 30)], max_tokens=0)
+        client.submit("long", [1], TWO_STAGES, max_tokens=900, temperature=0.0)
+        assert client.outputs.get(timeout=10).started and client.outputs.get(timeout=10).token_ids == (1,)
+        with pytest.raises(RequestError, match="already in flight"):
+            client.submit("long", [1], TWO_STAGES, max_tokens=1)
+        client.cancel("long")
+        while not client.outputs.empty():  # what came before the cancel
+            assert not client.outputs.get().finished
+        client.submit("after", [5, 6], [Stage("solo", 0, 30)], max_tokens=1)
+        got = until_finished(client.outputs)  # no output of "long" follows its cancel, late tokens included
+        assert {o.request_id for o in got} == {"after"} and got[-1].token_ids == (2,)
+    assert any(isinstance(m, wire.Cancel) and m.request_id == "long.1" for m in agent.received)
