@@ -31,8 +31,8 @@ from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
-from urllib.parse import urlsplit
 
+from helix.addresses import LOOPBACK_HOSTS, host_of
 from helix.errors import ConfigError, ProtocolError
 
 if TYPE_CHECKING:
@@ -41,7 +41,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Z85_KEY = re.compile(r"^[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}$")
-LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 PUBLIC_SUFFIX, SECRET_SUFFIX = ".key", ".key_secret"  # the names zmq.auth.create_certificates writes
 # ZAP domains: which plane a CURVE server socket belongs to
 CONTROL, DATA, RESULTS = "control", "data", "results"
@@ -103,11 +102,6 @@ class CurveKeys:
 
     own: KeyPair
     peers: Mapping[str, bytes]
-
-
-def host_of(address: str) -> str:
-    """The host of a ZeroMQ tcp endpoint (``tcp://10.0.0.7:5555`` -> ``10.0.0.7``)."""
-    return urlsplit(address.replace("tcp://", "http://", 1)).hostname or ""
 
 
 def _host_names(address: str) -> frozenset[str]:

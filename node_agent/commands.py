@@ -18,8 +18,8 @@ import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
+from helix.addresses import LOOPBACK_HOSTS, any_port, host_of
 from helix.errors import ConfigError, EngineError
 
 if TYPE_CHECKING:
@@ -29,8 +29,6 @@ if TYPE_CHECKING:
     from node_agent.backends import StageBackend
 
 log = logging.getLogger(__name__)
-
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 
 def add_agent_arguments(p: argparse.ArgumentParser) -> None:
@@ -68,10 +66,6 @@ def add_agent_arguments(p: argparse.ArgumentParser) -> None:
                    help="write one JSON line per engine step (time, CPU, batch by layer) to FILE; {node} is replaced")
 
 
-def _host(address: str) -> str:
-    return urlsplit(address.replace("tcp://", "http://", 1)).hostname or ""
-
-
 def run_agent(args: argparse.Namespace) -> int:
     from helix.loading import load_model
     from helix.plan import Plan
@@ -84,11 +78,10 @@ def run_agent(args: argparse.Namespace) -> int:
         raise ConfigError(f"node {args.node!r} holds no layers in this plan", source=args.plan, field="placement")
     start, end = plan.placement[args.node]
     control = args.bind or node.address or "tcp://127.0.0.1:*"
-    host = _host(control)
-    data = args.data_bind or control.rsplit(":", 1)[0] + ":*"
+    data = args.data_bind or any_port(control)
     secret = os.environ.get(args.secret_env, "")
     security = agent_security(cluster, plan, args.node, args.key, [control, data])
-    beyond_loopback = host not in LOOPBACK_HOSTS or _host(data) not in LOOPBACK_HOSTS
+    beyond_loopback = host_of(control) not in LOOPBACK_HOSTS or host_of(data) not in LOOPBACK_HOSTS
     if not secret and not security["peers"].curve:
         if beyond_loopback:
             raise ConfigError(f"binding {control} beyond loopback needs CURVE keys in the cluster file (`helix keys`) "
@@ -124,7 +117,7 @@ def agent_security(cluster: ClusterSpec, plan: Plan, node: str, key_file: str | 
     """The agent's peer policy, key pair and predecessors (AgentConfig's fields) for ``node``: the key pair
     from ``key_file`` or ``<keys_dir>/<node>.key_secret`` when the cluster names keys; ConfigError naming
     the flag or file when it is missing, is not the node's, or the node binds where the file does not put it."""
-    from helix.keys import host_of, own_key_pair, peer_policy, predecessors
+    from helix.keys import own_key_pair, peer_policy, predecessors
 
     policy = peer_policy(cluster)
     if not policy.curve:

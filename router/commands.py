@@ -28,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from helix.addresses import LOOPBACK_HOSTS, host_of
 from helix.errors import ConfigError, HelixError
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,6 @@ log = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_CLUSTER = REPO_ROOT / "clusters" / "demo" / "cluster.yaml"
 DEMO_PROMPT = "In two sentences, what is a GPU and why do language models need one?"
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -120,24 +120,24 @@ def run_serve(args: argparse.Namespace) -> int:
             raise ConfigError(f"expected NODE=ADDRESS, got {item!r}", field="--agent")
         overrides[node] = address
     keys = _api_keys(args)
-    if args.host not in LOOPBACK and not keys:
+    if args.host not in LOOPBACK_HOSTS and not keys:
         log.warning("serving on %s without API keys: anyone who can reach it can use it", args.host)
-    from helix.keys import coordinator_keys, host_of
+    from helix.keys import coordinator_keys
 
     curve = coordinator_keys(cluster, args.key)
     addresses = agent_addresses(cluster, plan, overrides)
-    reply_host = host_of(cluster.coordinator.address) if cluster.coordinator.address else "127.0.0.1"
-    remote = sorted(n for n, a in addresses.items() if host_of(a) not in LOOPBACK)
-    if remote and reply_host in LOOPBACK:
+    reply_host = host_of(cluster.coordinator.address)
+    remote = sorted(n for n, a in addresses.items() if host_of(a) not in LOOPBACK_HOSTS)
+    if remote and reply_host in LOOPBACK_HOSTS:
         raise ConfigError(f"agents {', '.join(remote)} are on other hosts but the coordinator's result sink would "
                           f"bind {reply_host}: give the coordinator's address (its host, reachable from them)",
                           source=cluster.source, field="coordinator.address")  # fmt: skip
-    if curve is None and any(host_of(a) not in LOOPBACK for a in [*addresses.values(), f"tcp://{reply_host}:0"]):
+    if curve is None and (remote or reply_host not in LOOPBACK_HOSTS):
         log.warning("agents beyond loopback without CURVE keys: activations and tokens travel unencrypted and "
                     "unauthenticated (run `helix keys`, docs/gpu.md)")
     coordinator = build_coordinator(cluster, plan, profiles, _options(args, args.served_model_name))
     app = create_server_app(coordinator, addresses, secret=os.environ.get(args.secret_env, "").encode(),
-                            api_keys=keys, dead_after_s=args.dead_after_s, loopback=args.host in LOOPBACK,
+                            api_keys=keys, dead_after_s=args.dead_after_s, loopback=args.host in LOOPBACK_HOSTS,
                             reply_host=reply_host, curve=curve)  # fmt: skip
     server: Any = make_server(app, args.host, args.port)
     print(f"Helix coordinator for {cluster.name} ({plan.model}) at http://{args.host}:{args.port}/v1", flush=True)

@@ -60,6 +60,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from helix.addresses import host_of
 from helix.errors import ConfigError, NoRouteError
 from helix.perf_model import host_copy_s_per_byte, prompts_per_iteration
 from helix.plan import Plan
@@ -92,11 +93,8 @@ def _step_tokens(r: SimRequest) -> int:
 
 
 def _host(address: str | None) -> str | None:
-    """The host part of ``tcp://host:port`` (None without an address)."""
-    if not address:
-        return None
-    rest = address.split("://", 1)[-1]
-    return rest.rsplit(":", 1)[0] if ":" in rest else rest
+    """The host of a node's address (None without one: such a node is a host of its own)."""
+    return host_of(address) if address else None
 
 
 class Simulation:

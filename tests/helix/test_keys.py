@@ -15,12 +15,12 @@ import pytest
 import yaml
 import zmq.auth
 
+from helix.addresses import LOOPBACK_HOSTS
 from helix.cli import main
 from helix.errors import ConfigError, ProtocolError
 from helix.keys import (
     CONTROL,
     DATA,
-    LOOPBACK_HOSTS,
     KeyGuard,
     RefusalLog,
     coordinator_keys,
