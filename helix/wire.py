@@ -1,11 +1,11 @@
 """The wire protocol between the coordinator and node agents, and between agents.
 
-Every message is a ZeroMQ multipart message: one msgpack *header frame* (a map with the
-protocol version ``v``, the message kind ``k`` and the kind's fields) followed, for
-``ACTIVATIONS`` only, by one raw *tensor frame* (hidden states as bytes; dtype and shape in the
-header; bf16 travels as its raw 2 bytes per value, never as msgpack lists). This module is pure
-and numpy-free: tensors are ``bytes``/``memoryview`` plus a dtype name and a shape; the agent
-converts to and from torch.
+Every message is a ZeroMQ multipart message: one msgpack *header frame*, the array ``[version,
+message]`` (the message a map: its kind ``k`` and the kind's fields, see :mod:`helix.wire_messages`),
+followed, for ``ACTIVATIONS`` only, by one raw *tensor frame* (hidden states as bytes; dtype and
+shape in the header; bf16 travels as its raw 2 bytes per value, never as msgpack lists). This
+module is pure and numpy-free: tensors are ``bytes``/``memoryview`` plus a dtype name and a shape;
+the agent converts to and from torch.
 
 Planes (as in Orca): the *control plane* (coordinator <-> agent, authenticated on connect)
 carries HELLO/CHALLENGE/AUTH/WELCOME, ADMIT, STEP, CANCEL, HEARTBEAT, REFUSED and ERROR, and
@@ -14,27 +14,33 @@ LOAD_TASK / UNLOAD_TASK answered by TASK_STATUS (fine-tuned tasks, docs/pets.md)
 coordinator.
 
 Life of a request: the coordinator sends ADMIT (prompt ids, sampling, max tokens, pipeline) to
-the first stage (``task`` names the fine-tuned task it runs, "" the base model); each stage forwards ACTIVATIONS to its next stage, the first ACTIVATIONS of a
-request carrying the admission (pipeline, sampling, hop index); the last stage sends TOKENS to
-the coordinator, which sends STEP (only the new token) to the first stage for the next step.
-CANCEL (to every stage) frees a request's KV when it finishes or is abandoned.
+the first stage (``task`` names the fine-tuned task it runs, "" the base model); each stage
+forwards ACTIVATIONS to its next stage, the first ACTIVATIONS of a request carrying the admission
+(pipeline, sampling, hop index); the last stage sends TOKENS to the coordinator, which sends STEP
+(only the new token) to the first stage for the next step. CANCEL (to every stage) frees a
+request's KV when it finishes or is abandoned.
 
-:func:`decode` validates strictly: unknown kinds or fields, wrong types, wrong version,
-oversized frames, inconsistent tensor sizes all raise :class:`~helix.errors.ProtocolError`
-naming what was wrong.
+:func:`encode` and :func:`decode` are msgspec's, driven by the message Structs. :func:`decode`
+validates strictly: unknown kinds or fields, wrong types, wrong version, oversized frames,
+inconsistent tensor sizes all raise :class:`~helix.errors.ProtocolError` naming the message kind
+and the field (``ADMIT.sampling.logit_bias[0].bias: ...``).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
+import operator
 import os
-from typing import Any
+import re
+from collections.abc import Sequence
+from typing import Annotated, Any
 
-import msgpack
+import msgspec
+from msgspec import inspect as mi
 
 from helix.errors import ProtocolError
-from helix.wire_decode import _check_tensor, decode
 from helix.wire_messages import (
     BATCH_SEQUENCES_BUCKETS,
     BATCH_TOKENS_BUCKETS,
@@ -52,6 +58,7 @@ from helix.wire_messages import (
     STEP_SECONDS_BUCKETS,
     STEP_STATS_BOUNDS,
     Activations,
+    ActivationsHeader,
     Admit,
     AdmitInfo,
     Auth,
@@ -142,53 +149,143 @@ def verify(secret: bytes, proof: bytes, role: str, *nonces: bytes) -> bool:
     return hmac.compare_digest(prove(secret, role, *nonces), proof)
 
 
-# -- encoding --------------------------------------------------------------------------------
+# -- encoding and decoding -------------------------------------------------------------------
 
+_ENCODER = msgspec.msgpack.Encoder()
 
-def _stage(s: StageRef) -> list[Any]:
-    return [s.node_id, s.layer_start, s.layer_end, s.address]
+_header_of = operator.attrgetter(*ActivationsHeader.__struct_fields__)
 
-
-def _sampling(s: SamplingSpec) -> dict[str, Any]:
-    return {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "seed": s.seed,
-            "stop_token_ids": list(s.stop_token_ids), "presence_penalty": s.presence_penalty,
-            "frequency_penalty": s.frequency_penalty, "logit_bias": [[t, b] for t, b in s.logit_bias],
-            "prior_output_ids": list(s.prior_output_ids), "grammar": s.grammar}  # fmt: skip
-
-
-def _header(msg: Message) -> dict[str, Any]:
-    if isinstance(msg, Admit):
-        return {"request_id": msg.request_id, "prompt": list(msg.prompt), "max_tokens": msg.max_tokens,
-                "sampling": _sampling(msg.sampling), "pipeline": [_stage(s) for s in msg.pipeline],
-                "reply_to": msg.reply_to, "task": msg.task}  # fmt: skip
-    if isinstance(msg, Activations):
-        h: dict[str, Any] = {"request_id": msg.request_id, "step": msg.step, "position": msg.position,
-                             "dtype": msg.dtype, "shape": list(msg.shape)}  # fmt: skip
-        if msg.admit is not None:
-            a = msg.admit
-            h["admit"] = {"hop": a.hop, "prompt_tokens": a.prompt_tokens, "max_tokens": a.max_tokens,
-                          "sampling": _sampling(a.sampling), "pipeline": [_stage(s) for s in a.pipeline],
-                          "reply_to": a.reply_to, "task": a.task}  # fmt: skip
-        return h
-    if isinstance(msg, Heartbeat):
-        s = msg.steps
-        return {**{name: getattr(msg, name) for name in msg.__slots__ if name != "steps"},
-                "steps": {name: [list(d.counts), d.total] for name, d in
-                          (("seconds", s.seconds), ("sequences", s.sequences), ("tokens", s.tokens))}}
-    if isinstance(msg, Tokens):
-        return {"node_id": msg.node_id,
-                "tokens": [[t.request_id, t.step, t.token_id, t.finished, t.finish_reason] for t in msg.tokens]}
-    return {name: getattr(msg, name) for name in msg.__slots__}  # type: ignore[union-attr]
+_Version = Annotated[int, msgspec.Meta(ge=PROTOCOL_VERSION, le=PROTOCOL_VERSION)]
+_DECODED = {kind: ActivationsHeader if cls is Activations else cls for cls, kind in KINDS.items()}  # kind -> type
+_Body: Any = functools.reduce(operator.or_, _DECODED.values())
+_DECODER = msgspec.msgpack.Decoder(tuple[_Version, _Body])
 
 
 def encode(msg: Message) -> list[Buffer]:
     """The frames of ``msg``: ``[header]`` or ``[header, tensor bytes]`` for ACTIVATIONS."""
-    kind = KINDS.get(type(msg))
-    if kind is None:
-        raise ProtocolError(f"cannot encode {type(msg).__name__}: not a wire message")
-    header = {"v": PROTOCOL_VERSION, "k": kind, **_header(msg)}
-    frames: list[Buffer] = [msgpack.packb(header, use_bin_type=True)]
     if isinstance(msg, Activations):
-        _check_tensor(msg.dtype, msg.shape, len(memoryview(msg.data).cast("B")))
-        frames.append(msg.data)
-    return frames
+        return [_ENCODER.encode((PROTOCOL_VERSION, ActivationsHeader(*_header_of(msg)))), msg.data]
+    if type(msg) not in KINDS:
+        raise ProtocolError(f"cannot encode {type(msg).__name__}: not a wire message")
+    return [_ENCODER.encode((PROTOCOL_VERSION, msg))]
+
+
+def decode(frames: Sequence[Any], *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Message:
+    """Parse and validate one multipart message (frames: bytes, memoryviews or zmq Frames)."""
+    if not frames:
+        raise ProtocolError("empty message: no header frame")
+    views = [_view(i, frame, max_frame_bytes) for i, frame in enumerate(frames)]
+    try:
+        msg = _DECODER.decode(views[0])[1]
+    except msgspec.DecodeError as exc:
+        raise _explain(views[0], exc) from exc
+    except UnicodeDecodeError as exc:
+        raise ProtocolError(f"header frame is not valid msgpack (a string is not UTF-8: {exc})") from exc
+    except RecursionError as exc:
+        raise ProtocolError("header frame nests too deeply") from exc
+    if isinstance(msg, ActivationsHeader):
+        if len(views) != 2:
+            raise ProtocolError(f"ACTIVATIONS: expected 1 tensor frame after the header, got {len(views) - 1}")
+        return Activations(data=views[1], **msgspec.structs.asdict(msg))
+    if len(views) != 1:
+        raise ProtocolError(f"{KINDS[type(msg)]}: expected a single header frame, got {len(views)} frames")
+    return msg  # type: ignore[no-any-return]
+
+
+def _view(i: int, frame: Any, max_frame_bytes: int) -> memoryview:
+    try:
+        view = memoryview(frame.buffer if hasattr(frame, "buffer") else frame).cast("B")
+    except TypeError as exc:
+        raise ProtocolError(f"frame {i} is not a byte buffer ({type(frame).__name__})") from exc
+    if view.nbytes > max_frame_bytes:
+        raise ProtocolError(f"frame {i} is {view.nbytes} bytes, over the limit of {max_frame_bytes} bytes")
+    return view
+
+
+# -- naming what was wrong -------------------------------------------------------------------
+
+
+def _explain(header: memoryview, exc: msgspec.DecodeError) -> ProtocolError:
+    """Why ``header`` is not a message of this protocol (``exc``: msgspec's complaint), naming the
+    message kind and field where there is one."""
+    if not isinstance(exc, msgspec.ValidationError):
+        return ProtocolError(f"header frame is not valid msgpack ({exc})")
+    try:
+        raw = msgspec.msgpack.decode(header)
+    except RecursionError:
+        return ProtocolError("header frame nests too deeply")
+    except (msgspec.DecodeError, TypeError, ValueError) as again:  # e.g. trailing bytes after an invalid message
+        return ProtocolError(f"header frame is not valid msgpack ({again})")
+    if isinstance(raw, dict):  # a peer of protocol 5 or older: one map carrying its version "v"
+        version = raw.get("v")
+    elif isinstance(raw, list) and len(raw) == 2:
+        version = raw[0]
+    else:
+        return ProtocolError(f"header frame must be [version, message], got {_show(raw)}")
+    if version != PROTOCOL_VERSION or isinstance(version, bool | float):
+        return ProtocolError(f"protocol version {version!r} is not supported (this side speaks {PROTOCOL_VERSION})")
+    if isinstance(raw, dict):
+        return ProtocolError("header frame must be [version, message], got a map")
+    body = raw[1]
+    if not isinstance(body, dict):
+        return ProtocolError(f"the message must be a map, got {_show(body)}")
+    kind = body.get("k")
+    if not isinstance(kind, str):
+        return ProtocolError(f"header has no message kind 'k' (got {_show(kind)})")
+    if kind not in _DECODED:
+        return ProtocolError(f"unknown message kind {kind!r} (known: {', '.join(KINDS.values())})")
+    text, _, path = str(exc).partition(" - at `$[1]")
+    path = _field_names(_DECODED[kind], path.rstrip("`"))
+    if found := re.fullmatch(r"Object (missing required|contains unknown) field `(.*)`", text):
+        missing, name = found[1] == "missing required", found[2]
+        path, text = (f"{path}.{name}", "missing") if missing else (path, f"unknown field `{name}`")
+    elif text[:1] in ".[":  # a __post_init__ names the field below the record it checks
+        below, _, text = text.partition(": ")
+        path += below
+    else:
+        text = text[:1].lower() + text[1:]
+    return ProtocolError(f"{kind}{path}: {text}")
+
+
+def _show(v: Any) -> str:
+    text = repr(v)
+    return f"{type(v).__name__} {text[:40]}{'...' if len(text) > 40 else ''}"
+
+
+_STEP = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
+
+
+def _field_names(cls: type, path: str) -> str:
+    """msgspec's ``path`` (``.name`` and ``[index]`` steps) inside a ``cls`` message, with the positions
+    of array-like records and of titled tuple items replaced by their field names."""
+    t: Any = mi.type_info(cls)
+    out: list[str] = []
+    for name, index in _STEP.findall(path):
+        t = _bare(t)
+        at = int(index) if index else -1
+        if isinstance(t, mi.StructType | mi.DataclassType):
+            fields = [f for i, f in enumerate(t.fields) if i == at or f.encode_name == name]
+            t = fields[0].type if fields else mi.AnyType()
+            out.append(f".{fields[0].name}" if fields else f".{name}" if name else f"[{index}]")
+        elif isinstance(t, mi.TupleType) and 0 <= at < len(t.item_types):
+            t = t.item_types[at]
+            title = (t.extra_json_schema or {}).get("title") if isinstance(t, mi.Metadata) else None
+            out.append(f".{title}" if title else f"[{index}]")
+        elif isinstance(t, mi.ListType | mi.VarTupleType) and at >= 0:
+            t = t.item_type
+            out.append(f"[{index}]")
+        else:
+            t = mi.AnyType()
+            out.append(f".{name}" if name else f"[{index}]")
+    return "".join(out)
+
+
+def _bare(t: Any) -> Any:
+    """``t`` without its metadata, and without ``None`` where it is optional."""
+    while True:
+        if isinstance(t, mi.Metadata):
+            t = t.type
+        elif isinstance(t, mi.UnionType) and len(inner := [u for u in t.types if not isinstance(u, mi.NoneType)]) == 1:
+            t = inner[0]
+        else:
+            return t

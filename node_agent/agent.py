@@ -49,6 +49,7 @@ from typing import Any, Protocol
 import zmq
 
 from helix import wire
+from helix.domain import ErrorCode, FinishReason
 from helix.errors import CapacityError, HelixError, PETError, ProtocolError
 from helix.keys import CONTROL, DATA, KeyGuard, KeyPair, PeerPolicy
 from node_agent.step_log import StepLog
@@ -388,9 +389,9 @@ class NodeAgent:
             return False
 
     def _on_admit(self, msg: wire.Admit) -> None:
-        me = msg.pipeline[0]
-        if me.node_id != self.config.node_id:
-            raise ProtocolError(f"ADMIT for {msg.request_id!r} names {me.node_id!r} as first stage, not this node")
+        me = msg.pipeline[0].stage
+        if me.node != self.config.node_id:
+            raise ProtocolError(f"ADMIT for {msg.request_id!r} names {me.node!r} as first stage, not this node")
         self._check_route(msg.request_id, msg.pipeline, 0, msg.reply_to)
         route = _Route(msg.pipeline, 0, msg.sampling, msg.max_tokens, len(msg.prompt), msg.reply_to, msg.task)
         self._tombstones.pop(msg.request_id, None)
@@ -409,7 +410,8 @@ class NodeAgent:
     def _on_cancel(self, msg: wire.Cancel) -> None:
         route = self._routes.get(msg.request_id)
         if msg.reason.startswith("unreachable:") and route is not None:
-            self._refuse(msg.request_id, route, "unreachable", f"next stage at {msg.reason[12:]} is not reachable")
+            reason = f"next stage at {msg.reason[12:]} is not reachable"
+            self._refuse(msg.request_id, route, ErrorCode.UNREACHABLE, reason)
         else:
             self._forget(msg.request_id)
 
@@ -419,8 +421,8 @@ class NodeAgent:
         policy = self.config.peers
         if policy is None:
             return
-        for stage in pipeline[hop + 1:]:
-            policy.check_address(stage.node_id, stage.address, f"request {rid!r}: stage address")
+        for ref in pipeline[hop + 1:]:
+            policy.check_address(ref.stage.node, ref.address, f"request {rid!r}: stage address")
         policy.check_address(policy.coordinator, reply_to, f"request {rid!r}: reply_to")
 
     def _forget(self, request_id: str) -> None:
@@ -474,7 +476,7 @@ class NodeAgent:
                 log.debug("ACTIVATIONS for unknown request %s without admission: dropped", rid)
                 return
             a = msg.admit
-            if a.hop == 0 or a.pipeline[a.hop].node_id != self.config.node_id:
+            if a.hop == 0 or a.pipeline[a.hop].stage.node != self.config.node_id:
                 raise ProtocolError(f"ACTIVATIONS for {rid!r}: hop {a.hop} of its pipeline is not this node")
             self._check_route(rid, a.pipeline, a.hop, a.reply_to)
             route = _Route(a.pipeline, a.hop, a.sampling, a.max_tokens, a.prompt_tokens, a.reply_to, a.task)
@@ -483,28 +485,28 @@ class NodeAgent:
         try:
             self.engine.push_hidden(rid, frame_tensor(msg))
         except HelixError as exc:
-            self._refuse(rid, self._routes[rid], "bad_input", str(exc))
+            self._refuse(rid, self._routes[rid], ErrorCode.BAD_REQUEST, str(exc))
 
     # -- admission and results ------------------------------------------------------------------
 
     def _add(self, rid: str, route: _Route, prompt: list[int] | None) -> bool:
         if rid in self._routes:
             raise ProtocolError(f"request {rid!r} is already admitted on this node")
-        me = route.pipeline[route.hop]
+        me = route.pipeline[route.hop].stage
         try:
             self.engine.add_request(rid, sampling_params(route.sampling, route.max_tokens),
                                     prompt_token_ids=prompt, prompt_len=route.prompt_tokens,
                                     layer_range=(me.layer_start, me.layer_end), task=route.task or None)
         except CapacityError as exc:
-            self._refuse(rid, route, "capacity", exc.message)
+            self._refuse(rid, route, ErrorCode.CAPACITY, exc.message)
             return False
         except HelixError as exc:
-            self._refuse(rid, route, "bad_request", exc.message)
+            self._refuse(rid, route, ErrorCode.BAD_REQUEST, exc.message)
             return False
         self._routes[rid] = route
         return True
 
-    def _refuse(self, rid: str, route: _Route, code: str, reason: str) -> None:
+    def _refuse(self, rid: str, route: _Route, code: ErrorCode, reason: str) -> None:
         log.warning("refused request %s (%s): %s", rid, code, reason)
         self.stats.refused += 1
         self._forget(rid)
@@ -530,10 +532,10 @@ class NodeAgent:
                 self._forward(out.request_id, route, out.hidden)
             elif out.token is not None:
                 route.step += 1
-                finished = out.finish_reason is not None
-                tokens.setdefault(route.reply_to, []).append(
-                    wire.TokenOut(out.request_id, route.step - 1, out.token, finished, out.finish_reason or ""))
-                if finished:
+                reason = None if out.finish_reason is None else FinishReason(out.finish_reason)
+                out_token = wire.TokenOut(out.request_id, route.step - 1, out.token, reason)
+                tokens.setdefault(route.reply_to, []).append(out_token)
+                if reason is not None:
                     self._routes.pop(out.request_id, None)
         for reply_to, outs in tokens.items():
             self.stats.tokens += len(outs)
@@ -549,7 +551,7 @@ class NodeAgent:
                                    route.pipeline, route.reply_to, route.task)
         position, route.sent_tokens = route.sent_tokens, route.sent_tokens + shape[0]
         self._out(nxt.address, wire.Activations(rid, route.step, position, self.config.wire_dtype, shape, data, admit),
-                  vertex=nxt.node_id)
+                  vertex=nxt.stage.node)
         route.forwarded = True
 
     def _heartbeat(self) -> None:

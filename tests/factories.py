@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from helix import wire
+from helix.domain import FinishReason
 from helix.plan import Plan
 from helix.spec import load_cluster
 from router.agent_events import AgentJoined
@@ -61,4 +62,4 @@ def request(request_id: str, prompt: list[int] | None = None, *, max_tokens: int
 def tokens(node: str, wire_id: str, token: int, *, step: int = 0, finished: bool = False,
            reason: str = "") -> wire.Tokens:
     """What a last stage sends for one sampled token."""
-    return wire.Tokens(node, (wire.TokenOut(wire_id, step, token, finished, reason),))
+    return wire.Tokens(node, (wire.TokenOut(wire_id, step, token, FinishReason(reason) if finished else None),))

@@ -5,13 +5,15 @@ from __future__ import annotations
 import random
 import struct
 
-import msgpack
+import msgspec
 import pytest
 
 from helix import wire
+from helix.domain import ErrorCode, FinishReason, Stage
 from helix.errors import ProtocolError
 
-PIPE = (wire.StageRef("a", 0, 10, "tcp://127.0.0.1:5001"), wire.StageRef("b", 10, 30, "tcp://127.0.0.1:5002"))
+PIPE = (wire.StageRef(Stage("a", 0, 10), "tcp://127.0.0.1:5001"),
+        wire.StageRef(Stage("b", 10, 30), "tcp://127.0.0.1:5002"))
 SAMPLING = wire.SamplingSpec(temperature=0.7, top_k=40, top_p=0.9, seed=7, stop_token_ids=(2, 49152),
                              presence_penalty=-0.5, frequency_penalty=1.25, logit_bias=((3, -100.0), (77, 2.5)),
                              prior_output_ids=(9, 9, 4), grammar='{"grammars": [{"json_schema": {"type": "object"}}]}')
@@ -40,12 +42,12 @@ MESSAGES: list[wire.Message] = [
     wire.Cancel("r1", "finished"),
     wire.Heartbeat("a", 9, 100, 300, 65536, 2, 5),
     wire.Heartbeat("a", 10, 100, 300, 65536, 2, 5, STEPS),
-    wire.Refused("r1", "b", "capacity", "needs 9000 KV tokens, holds 4096"),
+    wire.Refused("r1", "b", ErrorCode.CAPACITY, "needs 9000 KV tokens, holds 4096"),
     wire.Error("protocol", "bad header"),
     wire.Activations("r1", 0, 0, "float32", (2, 3), HIDDEN),
     wire.Activations("r1", 0, 16, "bfloat16", (3, 2), b"\x01\x02" * 6,
                      wire.AdmitInfo(1, 19, 16, SAMPLING, PIPE, "tcp://127.0.0.1:6000")),
-    wire.Tokens("b", (wire.TokenOut("r1", 0, 17), wire.TokenOut("r2", 4, 2, True, "stop"))),
+    wire.Tokens("b", (wire.TokenOut("r1", 0, 17), wire.TokenOut("r2", 4, 2, FinishReason.STOP))),
     wire.Admit("r3", (5,), 1, wire.SamplingSpec(), PIPE, task="sql-lora"),
     wire.Activations("r3", 0, 0, "float32", (2, 3), HIDDEN, wire.AdmitInfo(1, 2, 1, SAMPLING, PIPE, task="sql-lora")),
     wire.LoadTask("sql-lora", "/srv/tasks/sql-lora", 16),
@@ -62,11 +64,15 @@ def _same(a: wire.Message, b: wire.Message) -> bool:
 
 
 def _fields(m: wire.Message) -> dict[str, object]:
-    return {k: getattr(m, k) for k in m.__slots__}  # type: ignore[union-attr]
+    return msgspec.structs.asdict(m)
 
 
 def _frames(header: dict[str, object], *payload: bytes) -> list[bytes]:
-    return [msgpack.packb({"v": wire.PROTOCOL_VERSION, **header}, use_bin_type=True), *payload]
+    return [msgspec.msgpack.encode([wire.PROTOCOL_VERSION, header]), *payload]
+
+
+def _stage(node: str, start: int, end: int, address: str = "t") -> list[object]:
+    return [{"node": node, "layer_start": start, "layer_end": end}, address]
 
 
 @pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
@@ -81,16 +87,17 @@ def test_tensor_travels_as_raw_bytes_not_msgpack_lists() -> None:
     frames = wire.encode(wire.Activations("r", 0, 0, "bfloat16", (4, 576), data))
     assert len(frames) == 2 and bytes(frames[1]) == data
     assert len(frames[0]) < 100  # the header holds dtype + shape, not the values
-    assert msgpack.unpackb(frames[0])["shape"] == [4, 576]
+    version, header = msgspec.msgpack.decode(frames[0])
+    assert version == wire.PROTOCOL_VERSION and header["shape"] == [4, 576] and "data" not in header
 
 
 def test_heartbeat_carries_step_counts_per_bucket() -> None:
-    header = msgpack.unpackb(wire.encode(wire.Heartbeat("a", 10, 1, 2, 3, 4, 5, STEPS))[0])
+    version, header = msgspec.msgpack.decode(wire.encode(wire.Heartbeat("a", 10, 1, 2, 3, 4, 5, STEPS))[0])
     assert header["steps"]["seconds"] == [[1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 1], pytest.approx(30.0124)]
     assert header["steps"]["sequences"][0][-1] == 1 and header["steps"]["tokens"][0][-1] == 1  # above the top bound
     assert STEPS.steps == 3 and wire.Heartbeat("a", 1, 0, 0, 0, 0, 0).steps.steps == 0
     no_steps = {k: v for k, v in header.items() if k != "steps"}  # an agent that sends none: no steps yet
-    assert wire.decode([msgpack.packb(no_steps)]).steps == wire.StepStats()  # type: ignore[union-attr]
+    assert wire.decode(_frames(no_steps)).steps == wire.StepStats()  # type: ignore[union-attr]
 
 
 def _heartbeat_with(steps: object) -> list[bytes]:
@@ -118,12 +125,14 @@ BAD: dict[str, tuple[list[bytes], str]] = {
     "not msgpack": ([b"\xc1\xc1garbage"], "not valid msgpack"),
     "truncated": ([wire.encode(MESSAGES[4])[0][:-3]], "not valid msgpack"),
     "trailing bytes": ([wire.encode(MESSAGES[6])[0] + b"\x00"], "not valid msgpack"),
-    "not a map": ([msgpack.packb([1, 2, 3])], "must be a map"),
-    "no version": ([msgpack.packb({"k": "CANCEL", "request_id": "r"})], "protocol version None"),
-    "wrong version": ([msgpack.packb({"v": 99, "k": "CANCEL", "request_id": "r"})], "protocol version 99"),
+    "not an envelope": ([msgspec.msgpack.encode([1, 2, 3])], "must be [version, message]"),
+    "body not a map": ([msgspec.msgpack.encode([wire.PROTOCOL_VERSION, [1]])], "the message must be a map"),
+    "no version": ([msgspec.msgpack.encode({"k": "CANCEL", "request_id": "r"})], "protocol version None"),
+    "wrong version": ([msgspec.msgpack.encode([99, {"k": "CANCEL", "request_id": "r"}])], "protocol version 99"),
+    "protocol 5 map": ([msgspec.msgpack.encode({"v": 5, "k": "CANCEL", "request_id": "r"})], "protocol version 5 is not"),
     "no kind": (_frames({"request_id": "r"}), "no message kind"),
     "unknown kind": (_frames({"k": "LAUNCH", "request_id": "r"}), "unknown message kind 'LAUNCH'"),
-    "unknown field": (_frames({"k": "CANCEL", "request_id": "r", "force": True}), "unknown field(s) force"),
+    "unknown field": (_frames({"k": "CANCEL", "request_id": "r", "force": True}), "CANCEL: unknown field `force`"),
     "missing field": (_frames({"k": "STEP", "request_id": "r", "step": 1}), "STEP.token_id: missing"),
     "bool as int": (_frames({"k": "STEP", "request_id": "r", "step": True, "token_id": 1}), "STEP.step"),
     "negative": (_frames({"k": "STEP", "request_id": "r", "step": -1, "token_id": 1}), "STEP.step"),
@@ -131,43 +140,44 @@ BAD: dict[str, tuple[list[bytes], str]] = {
     "empty id": (_frames({"k": "CANCEL", "request_id": ""}), "CANCEL.request_id"),
     "short nonce": (_frames({"k": "HELLO", "sender": "c", "nonce": b"123"}), "HELLO.nonce"),
     "empty prompt": (_frames({"k": "ADMIT", "request_id": "r", "prompt": [], "max_tokens": 1, "sampling": {},
-                              "pipeline": [["a", 0, 30, "tcp://x:1"]]}), "ADMIT.prompt: must not be empty"),
+                              "pipeline": [_stage("a", 0, 30, "tcp://x:1")]}), "ADMIT.prompt: expected `array` of length >= 1"),
     "token id out of range": (_frames({"k": "ADMIT", "request_id": "r", "prompt": [1, 2**40], "max_tokens": 1,
-                                       "sampling": {}, "pipeline": [["a", 0, 30, "t"]]}), "ADMIT.prompt[1]"),
+                                       "sampling": {}, "pipeline": [_stage("a", 0, 30)]}), "ADMIT.prompt[1]"),
     "nan temperature": (_frames({"k": "ADMIT", "request_id": "r", "prompt": [1], "max_tokens": 1,
-                                 "sampling": {"temperature": float("nan")}, "pipeline": [["a", 0, 30, "t"]]}),
+                                 "sampling": {"temperature": float("nan")}, "pipeline": [_stage("a", 0, 30)]}),
                         "ADMIT.sampling.temperature"),
     "unknown sampling field": (_frames({"k": "ADMIT", "request_id": "r", "prompt": [1], "max_tokens": 1,
-                                        "sampling": {"beams": 4}, "pipeline": [["a", 0, 30, "t"]]}), "beams"),
+                                        "sampling": {"beams": 4}, "pipeline": [_stage("a", 0, 30)]}), "beams"),
     "penalty out of range": (_frames({"k": "ADMIT", "request_id": "r", "prompt": [1], "max_tokens": 1,
-                                      "sampling": {"frequency_penalty": 2.5}, "pipeline": [["a", 0, 30, "t"]]}),
-                             "ADMIT.sampling.frequency_penalty: expected a number in [-2.0, 2.0]"),
+                                      "sampling": {"frequency_penalty": 2.5}, "pipeline": [_stage("a", 0, 30)]}),
+                             "ADMIT.sampling.frequency_penalty: expected `float` <= 2.0"),
     "logit bias as a map": (_frames({"k": "ADMIT", "request_id": "r", "prompt": [1], "max_tokens": 1,
-                                     "sampling": {"logit_bias": {"5": 1.0}}, "pipeline": [["a", 0, 30, "t"]]}),
-                            "ADMIT.sampling.logit_bias: expected a list"),
+                                     "sampling": {"logit_bias": {"5": 1.0}}, "pipeline": [_stage("a", 0, 30)]}),
+                            "ADMIT.sampling.logit_bias: expected `array`"),
     "logit bias not a pair": (_frames({"k": "ADMIT", "request_id": "r", "prompt": [1], "max_tokens": 1,
-                                       "sampling": {"logit_bias": [[5]]}, "pipeline": [["a", 0, 30, "t"]]}),
-                              "ADMIT.sampling.logit_bias[0]: expected [token_id, bias]"),
+                                       "sampling": {"logit_bias": [[5]]}, "pipeline": [_stage("a", 0, 30)]}),
+                              "ADMIT.sampling.logit_bias[0]: expected `array` of length 2"),
     "logit bias too large": (_frames({"k": "ADMIT", "request_id": "r", "prompt": [1], "max_tokens": 1,
-                                      "sampling": {"logit_bias": [[5, 101]]}, "pipeline": [["a", 0, 30, "t"]]}),
+                                      "sampling": {"logit_bias": [[5, 101]]}, "pipeline": [_stage("a", 0, 30)]}),
                              "ADMIT.sampling.logit_bias[0].bias"),
     "logit bias negative id": (_frames({"k": "ADMIT", "request_id": "r", "prompt": [1], "max_tokens": 1,
-                                        "sampling": {"logit_bias": [[-5, 1]]}, "pipeline": [["a", 0, 30, "t"]]}),
+                                        "sampling": {"logit_bias": [[-5, 1]]}, "pipeline": [_stage("a", 0, 30)]}),
                                "ADMIT.sampling.logit_bias[0].token_id"),
     "logit bias repeated id": (_frames({"k": "ADMIT", "request_id": "r", "prompt": [1], "max_tokens": 1,
-                                        "sampling": {"logit_bias": [[5, 1], [5, 2]]}, "pipeline": [["a", 0, 30, "t"]]}),
+                                        "sampling": {"logit_bias": [[5, 1], [5, 2]]},
+                                        "pipeline": [_stage("a", 0, 30)]}),
                                "more than once"),
     "prior output id out of range": (_frames({"k": "ADMIT", "request_id": "r", "prompt": [1], "max_tokens": 1,
                                               "sampling": {"prior_output_ids": [1, 2**40]},
-                                              "pipeline": [["a", 0, 30, "t"]]}),
+                                              "pipeline": [_stage("a", 0, 30)]}),
                                      "ADMIT.sampling.prior_output_ids[1]"),
     "grammar not a string": (_frames({"k": "ADMIT", "request_id": "r", "prompt": [1], "max_tokens": 1,
-                                      "sampling": {"grammar": {"type": "object"}}, "pipeline": [["a", 0, 30, "t"]]}),
-                             "ADMIT.sampling.grammar: expected a string"),
+                                      "sampling": {"grammar": {"type": "object"}}, "pipeline": [_stage("a", 0, 30)]}),
+                             "ADMIT.sampling.grammar: expected `str`"),
     "gap in pipeline": (_frames({"k": "ADMIT", "request_id": "r", "prompt": [1], "max_tokens": 1, "sampling": {},
-                                 "pipeline": [["a", 0, 10, "t"], ["b", 12, 30, "t"]]}), "previous stage ends at 10"),
+                                 "pipeline": [_stage("a", 0, 10), _stage("b", 12, 30)]}), "previous stage ends at 10"),
     "empty layer range": (_frames({"k": "ADMIT", "request_id": "r", "prompt": [1], "max_tokens": 1, "sampling": {},
-                                   "pipeline": [["a", 5, 5, "t"]]}), "layer_end"),
+                                   "pipeline": [_stage("a", 5, 5)]}), "layer_end"),
     "tensor size mismatch": (_frames({"k": "ACTIVATIONS", "request_id": "r", "step": 0, "position": 0,
                                       "dtype": "float32", "shape": [2, 3]}, b"\x00" * 23), "need 24"),
     "unknown dtype": (_frames({"k": "ACTIVATIONS", "request_id": "r", "step": 0, "position": 0,
@@ -178,22 +188,22 @@ BAD: dict[str, tuple[list[bytes], str]] = {
                                  "dtype": "float32", "shape": [1, 1]}), "expected 1 tensor frame"),
     "tensor as msgpack list": (_frames({"k": "ACTIVATIONS", "request_id": "r", "step": 0, "position": 0,
                                         "dtype": "float32", "shape": [1, 2], "data": [0.0, 1.0]}, b"\x00" * 8),
-                               "unknown field(s) data"),
+                               "ACTIVATIONS: unknown field `data`"),
     "extra frame": (_frames({"k": "CANCEL", "request_id": "r"}, b"junk"), "single header frame"),
     "bad hop": (_frames({"k": "ACTIVATIONS", "request_id": "r", "step": 0, "position": 0, "dtype": "float32",
                          "shape": [1, 1], "admit": {"hop": 5, "prompt_tokens": 1, "max_tokens": 1, "sampling": {},
-                                                    "pipeline": [["a", 0, 30, "t"]]}}, b"\x00" * 4),
+                                                    "pipeline": [_stage("a", 0, 30)]}}, b"\x00" * 4),
                 "ACTIVATIONS.admit.hop"),
-    "steps not a map": (_heartbeat_with([1, 2]), "HEARTBEAT.steps: expected a map"),
+    "steps not a map": (_heartbeat_with([1, 2]), "HEARTBEAT.steps: expected `object`"),
     "steps missing a part": (_heartbeat_with({k: v for k, v in _steps_header().items() if k != "tokens"}),
-                             "HEARTBEAT.steps.tokens: missing"),
-    "steps unknown part": (_heartbeat_with(_steps_header(latency=[[0], 0.0])), "unknown field(s) latency"),
+                             "HEARTBEAT.steps: seconds, sequences and tokens must count the same"),
+    "steps unknown part": (_heartbeat_with(_steps_header(latency=[[0], 0.0])), "HEARTBEAT.steps: unknown field `latency`"),
     "steps wrong bucket count": (_heartbeat_with(_steps_header(seconds=[[1, 2], 0.5])),
                                  "HEARTBEAT.steps.seconds.counts: expected 15 bucket counts, got 2"),
     "steps negative count": (_heartbeat_with(_steps_header(sequences=[[-1] + [0] * 9 + [4], 600.0])),
                              "HEARTBEAT.steps.sequences.counts[0]"),
     "steps nan sum": (_heartbeat_with(_steps_header(tokens=[list(STEPS.tokens.counts), float("nan")])),
-                      "HEARTBEAT.steps.tokens.sum"),
+                      "HEARTBEAT.steps.tokens.total"),
     "steps counts disagree": (_heartbeat_with(_steps_header(tokens=[[0] * 15, 0.0])), "same number of steps"),
     "bad token entry": (_frames({"k": "TOKENS", "node_id": "b", "tokens": [["r", 0, 1, "yes", ""]]}), "tokens[0]"),
 }
@@ -245,17 +255,19 @@ def test_fuzz_mutations_only_ever_raise_protocol_error() -> None:
 def test_fuzz_random_headers_only_ever_raise_protocol_error() -> None:
     rng = random.Random(99)
     values: list[object] = [None, True, -1, 0, 7, 2**63, 1.5, float("inf"), "", "x", b"\x00" * 32, [], [1], {}, {"a": 1},
-                            [["a", 0, 30, "t"]], ["a", 0], {"logit_bias": [[1, 2.0]]}, {"presence_penalty": 3},
-                            {"prior_output_ids": [1, -1]}, {"logit_bias": [[1, "x"]]}, _steps_header(),
+                            [_stage("a", 0, 30)], ["a", 0], [[{"node": "a", "layer_start": 0}, "t"]],
+                            [["r", 0, 1, "stop"]],
+                            {"logit_bias": [[1, 2.0]]}, {"presence_penalty": 3}, {"prior_output_ids": [1, -1]},
+                            {"logit_bias": [[1, "x"]]}, _steps_header(),
                             _steps_header(seconds=[[0] * 15, -1.0]), _steps_header(tokens=[[1] * 15, 1e30])]
     keys = ["request_id", "step", "token_id", "prompt", "max_tokens", "sampling", "pipeline", "dtype", "shape",
             "position", "admit", "node_id", "tokens", "nonce", "proof", "sender", "seq", "reason", "code", "steps",
             "kv_used_tokens", "kv_reserved_tokens", "kv_capacity_tokens", "waiting", "running"]
     for _ in range(3000):
-        header = {"v": wire.PROTOCOL_VERSION, "k": rng.choice(list(wire.KINDS.values()))}
+        header: dict[str, object] = {"k": rng.choice(list(wire.KINDS.values()))}
         for key in rng.sample(keys, rng.randint(0, 8)):
             header[key] = rng.choice(values)
-        frames = [msgpack.packb(header, use_bin_type=True)] + ([b"\x00" * 4] if rng.random() < 0.3 else [])
+        frames = _frames(header, *([b"\x00" * 4] if rng.random() < 0.3 else []))
         try:
             wire.decode(frames)
         except ProtocolError:

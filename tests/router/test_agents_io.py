@@ -88,7 +88,8 @@ class ScriptedAgent(threading.Thread):
     def token(self, rid: str, step: int, token: int) -> None:
         left, reply_to = self._left[rid]
         done = step + 1 >= left
-        self.reply(reply_to, wire.Tokens(self.node_id, (wire.TokenOut(rid, step, token, done, "length" if done else ""),)))
+        reason = FinishReason.LENGTH if done else None
+        self.reply(reply_to, wire.Tokens(self.node_id, (wire.TokenOut(rid, step, token, reason),)))
 
 
 @pytest.fixture
@@ -100,7 +101,7 @@ def agent() -> Any:
     a.join(5)
 
 
-WHOLE = (wire.StageRef("solo", 0, 30, "tcp://127.0.0.1:1"),)
+WHOLE = (wire.StageRef(Stage("solo", 0, 30), "tcp://127.0.0.1:1"),)
 TWO_STAGES = [Stage("solo", 0, 10), Stage("solo", 10, 30)]  # one scripted node twice: the core drives STEPs
 
 
@@ -185,7 +186,7 @@ def test_pinned_client_steps_a_pipeline_and_stops_at_max_tokens(agent: ScriptedA
         assert [t for o in until_finished(client.outputs) for t in o.token_ids] == [1]
     first = next(m for m in agent.received if isinstance(m, wire.Admit))
     assert first.request_id == "r1.1" and first.prompt == (7, 8, 9) and first.max_tokens == 4
-    assert first.pipeline[1].layer_start == 10 and first.sampling.temperature == 0.0
+    assert first.pipeline[1].stage.layer_start == 10 and first.sampling.temperature == 0.0
     # one STEP per token but the last: nothing runs after the request ends, its first stage is cancelled
     assert [m.step for m in agent.received if isinstance(m, wire.Step)] == [0, 1, 2]
     assert [m.request_id for m in agent.received if isinstance(m, wire.Cancel)] == ["r1.1"]

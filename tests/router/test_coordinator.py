@@ -59,7 +59,7 @@ def _coordinator(kv_entries: float, queue_bound: int = 1) -> tuple[Coordinator, 
 
 def emit(coord: Coordinator, io: RecordingIO, wire_id: str, token: int, *, finished: bool = False) -> None:
     """The last stage of ``wire_id``'s pipeline sends ``token``."""
-    last = io.admitted[wire_id].pipeline[-1].node_id
+    last = io.admitted[wire_id].pipeline[-1].stage.node
     coord.on_agent_event(tokens(last, wire_id, token, finished=finished, reason="length" if finished else ""))
 
 

@@ -33,7 +33,7 @@ def of_type(out: CoreOutput, kind: type) -> list[tuple[str, wire.Message]]:
 
 
 def last_node(admit: wire.Admit) -> str:
-    return admit.pipeline[-1].node_id
+    return admit.pipeline[-1].stage.node
 
 
 def test_masked_requests_wait_in_order_and_overflow_is_refused_with_retry_after() -> None:
@@ -102,7 +102,7 @@ def test_each_token_sends_the_next_step_to_the_first_stage_until_max_tokens() ->
     core = _one_pipeline_core({"cpu-1": (0, 16), "cpu-2": (16, 30)})
     core.add_request(request("r", max_tokens=3), now=0.0)
     (node, admit), = admits(core.schedule(0.0))
-    assert node == "cpu-1" and [s.node_id for s in admit.pipeline] == ["cpu-1", "cpu-2"]
+    assert node == "cpu-1" and [s.stage.node for s in admit.pipeline] == ["cpu-1", "cpu-2"]
     for step, token in enumerate((5, 6)):
         core.update_from_output([tokens("cpu-2", "r.1", token, step=step)], now=0.1)
         out = core.schedule(0.1)
@@ -175,7 +175,7 @@ def test_a_dead_agent_moves_its_requests_to_new_pipelines_with_their_tokens_so_f
     out = core.schedule(0.2)
     (node, again), = admits(out)
     assert again.request_id == f"{on_split}.2" and again.prompt == (1, 2, 3, 9) and again.max_tokens == 9
-    assert node == again.pipeline[0].node_id and "cpu-2" not in [s.node_id for s in again.pipeline]
+    assert node == again.pipeline[0].stage.node and "cpu-2" not in [s.stage.node for s in again.pipeline]
     assert [(n, m.request_id) for n, m in of_type(out, wire.Cancel)] == [("cpu-1", f"{on_split}.1")]
     core.update_from_output([tokens("cpu-2", f"{on_split}.1", 77)], now=0.3)  # late token of the dead attempt
     assert not core.schedule(0.3).outputs and core.requests[on_split].output_ids == [9]
