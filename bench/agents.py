@@ -5,7 +5,7 @@ process: N requests (prompts U(32, 256) tokens, 32 output tokens each, greedy, s
 ignored) all submitted at t=0 (offline throughput).
 
 * **one process**: a single ``StageEngine`` holding layers [0, 30), stepped in this process.
-* **three agents**: ``python -m node_agent`` subprocesses holding [0, 10), [10, 20), [20, 30) on
+* **three agents**: ``helix agent`` subprocesses (``router.launch``) holding [0, 10), [10, 20), [20, 30) on
   loopback, driven through ``router.agents_io.AgentsIO`` (ADMIT, ACTIVATIONS node to node, TOKENS
   to the coordinator, STEP back to the first stage).
 
@@ -22,12 +22,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import queue
 import random
-import re
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,6 +48,7 @@ from rich.progress import Progress  # noqa: E402
 
 from helix import wire  # noqa: E402
 from helix.domain import Stage  # noqa: E402
+from helix.processes import cpu_seconds as process_cpu_seconds  # noqa: E402
 from node_agent.backends import StageBackend  # noqa: E402
 from node_agent.engine import StageEngine  # noqa: E402
 from node_agent.gguf_convert import cached_model_dir  # noqa: E402
@@ -59,7 +56,7 @@ from node_agent.sampling import SamplingParams  # noqa: E402
 from node_agent.scheduler import SchedulerConfig  # noqa: E402
 from router.agent_events import TokenEvent  # noqa: E402
 from router.agents_io import AgentsIO  # noqa: E402
-from router.launch import process_cpu_seconds  # noqa: E402
+from router.launch import AgentProcesses  # noqa: E402
 
 console = make_console()
 SPLIT = {"a": (0, 10), "b": (10, 20), "c": (20, 30)}
@@ -88,30 +85,25 @@ def one_process(model_dir: Path, prompts: list[list[int]], backend: str = "torch
     return time.perf_counter() - t0, time.process_time() - cpu0
 
 
-def start_agents(model_dir: Path, root: Path,
-                 backend: str = "torch") -> tuple[dict[str, subprocess.Popen[str]], dict[str, str]]:  # fmt: skip
+def start_agents(model_dir: Path, root: Path, backend: str = "torch") -> AgentProcesses:
+    """The three agents of ``SPLIT``, ready."""
     cluster, plan = root / "cluster.yaml", root / "plan.json"
     cluster.write_text("name: bench\nmodel: smollm2\nprofiles: p.yaml\nnodes:\n"
                        + "".join(f"  - {{id: {n}, gpu: CPU}}\n" for n in SPLIT)
                        + "defaults:\n  intra_region: {bandwidth_gbps: 10}\n")
     plan.write_text(json.dumps({"cluster": "bench", "model": "smollm2", "method": "manual", "max_flow_tok_s": 0,
                                 "placement": {n: list(r) for n, r in SPLIT.items()}}))
-    env = {**os.environ, "HELIX_SECRET": SECRET, "OMP_NUM_THREADS": "1"}
-    procs, controls = {}, {}
-    for node in SPLIT:
-        procs[node] = subprocess.Popen(
-            [sys.executable, "-m", "node_agent", "--cluster", str(cluster), "--plan", str(plan), "--node", node,
-             "--model-dir", str(model_dir), "--threads", "1", "--max-batch-size", str(SCHED["max_batch_size"]),
-             "--token-budget", str(SCHED["token_budget"]), "--chunk-size", str(SCHED["chunk_size"]),
-             "--backend", backend],
-            stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)  # fmt: skip
-    for node, proc in procs.items():
-        assert proc.stdout is not None
-        match = re.search(r"control=(\S+)", proc.stdout.readline())
-        if not match:
-            raise SystemExit(f"agent {node} did not start")
-        controls[node] = match.group(1)
-    return procs, controls
+    agents = AgentProcesses(cluster, plan, root, secret=SECRET, model_dir=str(model_dir),
+                            extra_args=("--max-batch-size", str(SCHED["max_batch_size"]), "--token-budget",
+                                        str(SCHED["token_budget"]), "--chunk-size", str(SCHED["chunk_size"]),
+                                        "--backend", backend))  # fmt: skip
+    try:
+        agents.start(SPLIT)
+        agents.wait_ready(timeout_s=300)
+    except BaseException:
+        agents.stop()
+        raise
+    return agents
 
 
 def three_agents(io: AgentsIO, events: queue.Queue[TokenEvent], prompts: list[list[int]], tag: str) -> float:
@@ -138,10 +130,10 @@ def section(model_dir: Path, quick: bool, rounds: int | None = None, progress: P
     task = progress.add_task(f"3 agents vs one process{label}", total=2 * rounds) if progress is not None else None
     log = RoundLog()
     with tempfile.TemporaryDirectory() as tmp:
-        procs, controls = start_agents(model_dir, Path(tmp), backend)
+        agents = start_agents(model_dir, Path(tmp), backend)
         events: queue.Queue[TokenEvent] = queue.Queue()
         try:
-            with AgentsIO(controls, secret=SECRET.encode(), dead_after_s=5.0, on_token=events.put) as io:
+            with AgentsIO(agents.addresses(), secret=SECRET.encode(), dead_after_s=5.0, on_token=events.put) as io:
                 if not io.wait_ready(timeout_s=60 if backend == "torch" else 300):
                     raise SystemExit(f"agents not ready: {io.agents()}")
                 three_agents(io, events, [[1, 2, 3]], "warm")  # first-call allocations on every stage
@@ -151,9 +143,9 @@ def section(model_dir: Path, quick: bool, rounds: int | None = None, progress: P
                     tokens = sum(map(len, prompts)) + OUTPUT_TOKENS * n
                     for arm in arm_order(["3 agents", "one process"], r):
                         if arm == "3 agents":
-                            cpu0 = sum(process_cpu_seconds(p.pid) for p in procs.values())
+                            cpu0 = sum(process_cpu_seconds(pid) for pid in agents.pids())
                             secs = three_agents(io, events, prompts, f"r{r}")
-                            cpu = sum(process_cpu_seconds(p.pid) for p in procs.values()) - cpu0
+                            cpu = sum(process_cpu_seconds(pid) for pid in agents.pids()) - cpu0
                         else:
                             secs, cpu = one_process(model_dir, prompts, backend)
                         log.record(r, f"tokens/s, {arm}", tokens / secs, "tok/s")
@@ -163,13 +155,7 @@ def section(model_dir: Path, quick: bool, rounds: int | None = None, progress: P
                             progress.advance(task)
                     log.ratio(RATIO, "tokens/s, 3 agents", "tokens/s, one process")
         finally:
-            for proc in procs.values():
-                proc.send_signal(signal.SIGTERM)
-            for proc in procs.values():
-                try:
-                    proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+            agents.stop(grace_s=15)
     title = (f"Three agents over ZeroMQ [0,10) [10,20) [20,30) vs one process [0,30){label} ({n} requests per round, "
              f"prompts U(32, 256), {OUTPUT_TOKENS} output tokens, 1 torch thread per process, {rounds} round(s))")
     return [figures_table(log, title, {RATIO: TARGET}), *verdict_lines(log, {RATIO: TARGET})]

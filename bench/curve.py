@@ -75,7 +75,7 @@ def demo_cluster(cluster: Path, plan: Path, workdir: Path, secret: str) -> Itera
 
 
 def cpu_seconds(pids: list[int]) -> float:
-    from router.launch import process_cpu_seconds
+    from helix.processes import cpu_seconds as process_cpu_seconds
 
     return sum(process_cpu_seconds(pid) for pid in pids)
 

@@ -63,6 +63,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the packages, not bench/planner.py or bench/router.py
 
 from helix.plan import Plan  # noqa: E402
+from helix.processes import cpu_seconds as process_cpu_seconds  # noqa: E402
 from helix.profile import load_profiles_for  # noqa: E402
 from helix.spec import load_cluster  # noqa: E402
 from node_agent.agent import AgentConfig  # noqa: E402
@@ -70,7 +71,7 @@ from node_agent.scheduler import SchedulerConfig  # noqa: E402
 from node_agent.step_log import read_step_log  # noqa: E402
 from planner.api import evaluate_plan, make_plan  # noqa: E402
 from profiler.cluster_profile import profile_cluster  # noqa: E402
-from router.launch import AgentProcesses, process_cpu_seconds  # noqa: E402
+from router.launch import AgentProcesses  # noqa: E402
 from router.serving import ServeOptions, build_coordinator, create_server_app, make_server  # noqa: E402
 from simulator.engine import SimConfig, Simulation, simulate  # noqa: E402
 from simulator.workload import RequestSpec  # noqa: E402
@@ -216,7 +217,7 @@ def run_real(cluster_path: Path, cluster: Any, profiles: Any, plan: Any, texts: 
         coordinator = build_coordinator(cluster, plan, profiles, ServeOptions())
         server: Any = make_server(create_server_app(coordinator, addresses, secret=secret.encode()), "127.0.0.1", 0)
 
-        pids = {node: a.proc.pid for node, a in agents.agents.items()}
+        pids = {node: a.pid for node, a in agents.agents.items()}
         snaps: list[tuple[float, dict[str, float], dict[str, float]]] = []  # (time, process CPU, host CPU)
 
         def snapshot() -> None:

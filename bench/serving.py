@@ -231,10 +231,10 @@ async def run_load(base: str, concurrency: int, total: int, max_tokens: int, *, 
 
 
 def part_a(concurrency: int, total: int, max_tokens: int, rounds: int) -> None:
+    from helix.processes import cpu_seconds as process_cpu_seconds
     from helix.profile import load_profiles_for
     from helix.spec import load_cluster
     from planner.api import finish_plan
-    from router.launch import process_cpu_seconds
     from router.tokenizer import ChatTokenizer, ensure_tokenizer_dir
 
     cluster = load_cluster(DEMO_CLUSTER)

@@ -59,11 +59,12 @@ sys.path.insert(0, str(ROOT))  # the packages, not bench/planner.py or bench/rou
 
 from helix.netem import LinkShape, Wan  # noqa: E402
 from helix.plan import Plan  # noqa: E402
+from helix.processes import cpu_seconds as process_cpu_seconds  # noqa: E402
 from helix.profile import load_profiles_for  # noqa: E402
 from helix.spec import ClusterSpec, load_cluster  # noqa: E402
 from node_agent.scheduler import SchedulerConfig  # noqa: E402
 from planner.api import finish_plan  # noqa: E402
-from router.launch import AgentProcesses, process_cpu_seconds  # noqa: E402
+from router.launch import AgentProcesses  # noqa: E402
 from router.serving import ServeOptions, build_coordinator, create_server_app, make_server  # noqa: E402
 from simulator.engine import SimConfig, simulate  # noqa: E402
 from simulator.routing import make_router  # noqa: E402
@@ -160,7 +161,7 @@ def serve(wan: Wan, agents: AgentProcesses, cluster: ClusterSpec, profiles: Any,
     app = create_server_app(coordinator, agents.addresses(), secret=secret.encode(), dead_after_s=DEAD_AFTER_S,
                             reply_host=wan.address(REGION["coordinator"]))  # fmt: skip
     server: Any = make_server(app, "127.0.0.1", 0)
-    pids = {node: a.proc.pid for node, a in agents.agents.items()}
+    pids = {node: a.pid for node, a in agents.agents.items()}
     links = list(wan.links)
     out: dict[str, Any] = {}
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from helix.addresses import host_of
 from helix.errors import ConfigError
 from helix.profile import GpuProfile, ModelProfile, ProfileSet, ThroughputProfile, load_profile_file
 from helix.spec import ClusterSpec
@@ -40,7 +41,7 @@ from profiler.files import (
     write_profiles,
 )
 from profiler.kv_reserve import KvReserve
-from profiler.links import LinkMeasurement, ProbeSet, host_of, is_local
+from profiler.links import LinkMeasurement, ProbeSet, is_local
 from profiler.measure import MeasureSettings, default_reserve, device_name, free_memory_bytes, memory_limits
 from profiler.nodes import combine, measure_nodes
 

@@ -1,8 +1,9 @@
 """Measuring links through ZeroMQ: one probe process per vertex, ping and bulk transfer per pair.
 
 Every vertex of the cluster (coordinator and nodes) whose address is on this machine gets a
-*probe*: a process (``python -m profiler.links --bind ENDPOINT``) with a ZeroMQ ROUTER socket
-on the vertex's host (an ephemeral port, so running agents are not disturbed). For each
+*probe*: a process (``python -m profiler.links --bind ENDPOINT``, started and stopped by
+:mod:`helix.processes`) with a ZeroMQ ROUTER socket on the vertex's host (an ephemeral port, so
+running agents are not disturbed). For each
 directed link ``src -> dst`` the profiler asks ``src``'s probe to measure toward ``dst``'s:
 
 * **latency**: ``pings`` round trips of a tiny message; ``latency_ms`` = median RTT / 2;
@@ -19,14 +20,17 @@ import argparse
 import json
 import socket
 import statistics
-import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 import zmq
+
+from helix.addresses import LOOPBACK, LOOPBACK_HOSTS
+from helix.processes import READY, Supervisor
 
 DEFAULT_PINGS = 30
 DEFAULT_BULK_BYTES = 16 * 1024 * 1024
@@ -45,17 +49,9 @@ class LinkMeasurement:
         return {"src": self.src, "dst": self.dst, "bandwidth_gbps": self.bandwidth_gbps, "latency_ms": self.latency_ms}
 
 
-def host_of(address: str | None) -> str:
-    """The host part of ``tcp://host:port``; no address means this machine (loopback demo)."""
-    if not address:
-        return "127.0.0.1"
-    parsed = urlparse(address)
-    return parsed.hostname or "127.0.0.1"
-
-
 def is_local(host: str) -> bool:
     """Whether ``host`` names this machine (loopback, its hostname, or one of its addresses)."""
-    if host in ("localhost", "0.0.0.0", "*") or host.startswith("127."):
+    if host in LOOPBACK_HOSTS or host in ("0.0.0.0", "*") or host.startswith("127."):
         return True
     try:
         mine = {socket.gethostname(), socket.getfqdn()}
@@ -99,12 +95,12 @@ def _measure_to(ctx: zmq.Context[Any], endpoint: str, pings: int, bulk_bytes: in
 
 
 def serve_probe(bind: str) -> None:
-    """Run a probe: print the bound endpoint, then answer ping / bulk / measure / quit."""
+    """Run a probe: print ``READY endpoint=<the bound endpoint>``, then answer ping / bulk / measure until killed."""
     ctx: zmq.Context[Any] = zmq.Context.instance()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.bind(bind)
-    print(sock.getsockopt_string(zmq.LAST_ENDPOINT), flush=True)
+    print(f"{READY} endpoint={sock.getsockopt_string(zmq.LAST_ENDPOINT)}", flush=True)
     received: dict[bytes, int] = {}
     while True:
         ident, cmd, *rest = sock.recv_multipart(copy=True)
@@ -122,10 +118,6 @@ def serve_probe(bind: str) -> None:
             except zmq.ZMQError as exc:
                 result = {"error": str(exc)}
             sock.send_multipart([ident, b"result", json.dumps(result).encode()])
-        elif cmd == b"quit":
-            sock.send_multipart([ident, b"bye"])
-            break
-    sock.close()
 
 
 # -- the measurer ------------------------------------------------------------------------------
@@ -137,42 +129,34 @@ class ProbeSet:
     def __init__(self, hosts: dict[str, str]) -> None:
         self.hosts = hosts
         self.endpoints: dict[str, str] = {}
-        self._procs: list[subprocess.Popen[str]] = []
         self._ctx: zmq.Context[Any] = zmq.Context.instance()
+        self._logs = tempfile.TemporaryDirectory(prefix="helix-probes-")
+        self._probes = Supervisor(Path(self._logs.name), label="link probe")
 
     def __enter__(self) -> ProbeSet:
-        for vertex, host in self.hosts.items():
-            bind_host = "127.0.0.1" if host in ("localhost", "0.0.0.0", "*") else host
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "profiler.links", "--bind", f"tcp://{bind_host}:*"],
-                stdout=subprocess.PIPE, text=True,
-            )
-            self._procs.append(proc)
-            assert proc.stdout is not None
-            self.endpoints[vertex] = proc.stdout.readline().strip()
+        try:
+            for vertex, host in self.hosts.items():
+                bind_host = LOOPBACK if host in ("localhost", "0.0.0.0", "*") else host
+                self._probes.start(vertex, [sys.executable, "-m", "profiler.links", "--bind", f"tcp://{bind_host}:*"])
+            self._probes.wait_ready(timeout_s=60)
+        except BaseException:
+            self.__exit__()
+            raise
+        self.endpoints = {vertex: p.ready["endpoint"] for vertex, p in self._probes.processes.items() if p.ready}
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for vertex in self.endpoints:
-            try:
-                self._request(vertex, [b"quit"], timeout_ms=2000)
-            except (zmq.ZMQError, TimeoutError):
-                pass
-        for proc in self._procs:
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        self._probes.stop()
+        self._logs.cleanup()
 
-    def _request(self, vertex: str, frames: list[bytes], timeout_ms: int = REPLY_TIMEOUT_MS) -> list[bytes]:
+    def _request(self, vertex: str, frames: list[bytes]) -> list[bytes]:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.endpoints[vertex])
         try:
             sock.send_multipart(frames)
-            if not sock.poll(timeout_ms):
-                raise TimeoutError(f"probe of {vertex} did not answer within {timeout_ms} ms")
+            if not sock.poll(REPLY_TIMEOUT_MS):
+                raise TimeoutError(f"probe of {vertex} did not answer within {REPLY_TIMEOUT_MS} ms")
             return sock.recv_multipart()
         finally:
             sock.close()

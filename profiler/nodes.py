@@ -1,7 +1,8 @@
 """Measuring every node of one host at the same time, one engine process per node.
 
 :func:`measure_nodes` starts one measuring process per node (``python -m profiler.nodes``, one
-torch thread, like ``helix agent``); each reports progress lines and one JSON result on stdout.
+torch thread, supervised as agents are: :mod:`helix.processes`); each reports progress lines and one
+JSON result on stdout, its errors in its log.
 Nodes that share a machine (the loopback demo: three agents on two cores) also share its cores
 while they serve, so they can be measured *concurrently* (``helix profile --concurrent``): the
 processes build their probe stages, print ``LOADED`` and wait for a ``go`` line on stdin, sent
@@ -15,18 +16,17 @@ measures one node at a time. Nodes of one GPU type are combined point by point (
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
-import selectors
 import statistics
-import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from helix.errors import HelixError
+from helix.processes import Supervisor
 from profiler.measure import MeasureSettings, measure_device, with_step_costs
 
 PROGRESS = "PROGRESS "
@@ -47,83 +47,38 @@ def measure_nodes(
             out |= measure_nodes(model_dir, [node], settings, notify=notify, timeout_s=timeout_s)
         return out
     say = notify or (lambda _node, _msg: None)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    blob = json.dumps(asdict(settings))
-    procs = {
-        node: subprocess.Popen(
-            [sys.executable, "-m", "profiler.nodes", "--model-dir", model_dir, "--settings", blob,
-             *(["--wait-for-go"] if len(nodes) > 1 else [])],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-        )  # fmt: skip
-        for node in nodes
-    }
+    argv = [sys.executable, "-m", "profiler.nodes", "--model-dir", model_dir, "--settings", json.dumps(asdict(settings)),
+            *(["--wait-for-go"] if len(nodes) > 1 else [])]  # fmt: skip
     results: dict[str, dict[str, Any]] = {}
-    loaded: set[str] = set()
-    pending: dict[str, bytes] = dict.fromkeys(procs, b"")  # raw reads: a buffered readline would
-    sel = selectors.DefaultSelector()  # hide a second line from select() and stall the barrier
-    for node, proc in procs.items():
-        assert proc.stdout is not None
-        sel.register(proc.stdout.fileno(), selectors.EVENT_READ, node)
-
-    def handle(node: str, line: str) -> None:
-        if line.startswith(PROGRESS):
-            say(node, line[len(PROGRESS):].strip())
-        elif line.strip() == LOADED:
-            loaded.add(node)
-            if len(loaded) == len(procs):  # everyone is ready: start timing together
-                say(node, "all co-located nodes loaded: measuring together")
-                for p in procs.values():
-                    _send_go(p)
-        elif line.startswith(RESULT):
-            results[node] = json.loads(line[len(RESULT):])
-
-    try:
-        open_streams = len(procs)
-        while open_streams:
-            events = sel.select(timeout=timeout_s)
-            if not events:
-                raise HelixError(f"profiling processes gave no sign of life for {timeout_s:.0f} s")
-            for key, _ in events:
-                node = key.data
-                chunk = os.read(key.fd, 1 << 16)
-                if not chunk:
-                    sel.unregister(key.fd)
-                    open_streams -= 1
-                    if pending[node]:
-                        handle(node, pending[node].decode(errors="replace"))
-                    if node not in loaded:  # it died before loading: do not keep the others waiting
-                        loaded.update(procs)
-                        for p in procs.values():
-                            _send_go(p)
-                    continue
-                *lines, pending[node] = (pending[node] + chunk).split(b"\n")
-                for line in lines:
-                    handle(node, line.decode(errors="replace"))
-    finally:
-        sel.close()
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-            if proc.stdin is not None:
-                with contextlib.suppress(OSError):
-                    proc.stdin.close()
-    for node, proc in procs.items():
-        if node not in results:
-            err = (proc.stderr.read() if proc.stderr else "").strip().splitlines()[-5:]
-            raise HelixError(f"profiling node {node} failed (exit {proc.returncode}): " + " | ".join(err))
-        if proc.stderr:
-            proc.stderr.close()
+    waiting: set[str] | None = set(nodes) if len(nodes) > 1 else None  # not loaded yet: the others wait for them
+    with tempfile.TemporaryDirectory(prefix="helix-profile-") as logs:
+        with Supervisor(Path(logs), label="profiling node") as procs:
+            for node in nodes:
+                procs.start(node, argv, stdin=True)
+            talking = set(nodes)
+            while talking:
+                lines = procs.read_lines(talking, timeout_s)
+                if not lines:
+                    raise HelixError(f"profiling processes gave no sign of life for {timeout_s:.0f} s")
+                for process, line in lines:
+                    if line is None:  # it exited
+                        talking.discard(process.name)
+                    elif line.startswith(PROGRESS):
+                        say(process.name, line[len(PROGRESS):].strip())
+                    elif line.startswith(RESULT):
+                        results[process.name] = json.loads(line[len(RESULT):])
+                    if waiting is not None and (line is None or line.strip() == LOADED):
+                        waiting.discard(process.name)  # loaded, or gone before: none waits for it
+                        if not waiting:  # start timing together
+                            say(process.name, "all co-located nodes loaded: measuring together")
+                            for other in procs.processes.values():
+                                other.send_line(GO)
+                            waiting = None
+        for node, process in procs.processes.items():
+            if node not in results:
+                raise HelixError(f"profiling node {node} failed (exit {process.returncode}): "
+                                 + " | ".join(process.log_tail(5).splitlines()))  # fmt: skip
     return results
-
-
-def _send_go(proc: subprocess.Popen[str]) -> None:
-    try:
-        assert proc.stdin is not None
-        proc.stdin.write(GO + "\n")
-        proc.stdin.flush()
-    except (BrokenPipeError, OSError):
-        pass  # it died: its missing result is reported below
 
 
 def non_decreasing(values: list[float]) -> list[float]:

@@ -1,7 +1,7 @@
 """Node agents over real ZeroMQ on loopback, driven by the coordinator's AgentsIO.
 
-Agents run as subprocesses (``python -m node_agent``, one torch thread each) and are always
-terminated (SIGTERM, then SIGKILL) by the fixtures. SmolLM2-135M split over three agents must
+Agents run as subprocesses (``helix agent`` started by ``router.launch``, one torch thread each) and are
+always stopped (SIGTERM, then SIGKILL) by the fixtures. SmolLM2-135M split over three agents must
 give exactly the greedy tokens of ``transformers``; bad input is rejected while the agents keep
 serving; KV refusals, start-up errors and agent death are reported clearly.
 """
@@ -9,16 +9,9 @@ serving; KV refusals, start-up errors and agent death are reported clearly.
 from __future__ import annotations
 
 import json
-import os
 import queue
-import re
-import selectors
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,23 +25,13 @@ from helix.domain import Stage
 from node_agent.step_log import read_step_log
 from router.agent_events import TokenEvent
 from router.agents_io import AgentsIO
+from router.launch import AgentProcesses
 
 SECRET = "agent-test-secret"
 NEW_TOKENS = 10  # conftest.SMOLLM2_NEW_TOKENS: hf_greedy continuations are this long
 GREEDY = wire.SamplingSpec()
 MAX_FRAME = 4 << 20
-
-
-@dataclass
-class Agent:
-    node: str
-    proc: subprocess.Popen[str]
-    control: str
-    data: str
-    log: Path
-
-    def log_text(self) -> str:
-        return self.log.read_text()
+STOP_GRACE_S = 15  # SIGTERM, then SIGKILL after this long (the vLLM agents take a while to exit)
 
 
 def write_cluster(root: Path, placement: dict[str, tuple[int, int]]) -> tuple[Path, Path]:
@@ -63,72 +46,37 @@ def write_cluster(root: Path, placement: dict[str, tuple[int, int]]) -> tuple[Pa
 
 
 def start_agents(root: Path, model_dir: Path, placement: dict[str, tuple[int, int]],
-                 extra: dict[str, list[str]] | None = None, timeout_s: float = 90) -> dict[str, Agent]:
+                 extra: dict[str, list[str]] | None = None, timeout_s: float = 90) -> AgentProcesses:
+    """``placement``'s agents (``extra``: per node, arguments after the common ones), ready."""
     cluster, plan = write_cluster(root, placement)
-    env = {**os.environ, "HELIX_SECRET": SECRET, "OMP_NUM_THREADS": "1"}
-    agents: dict[str, Agent] = {}
+    agents = AgentProcesses(cluster, plan, root, secret=SECRET, model_dir=str(model_dir),
+                            extra_args=("--chunk-size", "16", "--token-budget", "40", "--max-batch-size", "6",
+                                        "--max-frame-bytes", str(MAX_FRAME)))  # fmt: skip
     try:
         for node in placement:
-            log = root / f"{node}.log"
-            cmd = [sys.executable, "-m", "node_agent", "--cluster", str(cluster), "--plan", str(plan), "--node", node,
-                   "--model-dir", str(model_dir), "--chunk-size", "16", "--token-budget", "40", "--max-batch-size",
-                   "6", "--max-frame-bytes", str(MAX_FRAME), *(extra or {}).get(node, [])]
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log.open("w"), text=True, env=env)
-            agents[node] = Agent(node, proc, "", "", log)
-        deadline = time.monotonic() + timeout_s
-        for agent in agents.values():
-            line = _read_line(agent.proc, deadline)
-            match = re.search(r"control=(\S+) data=(\S+)", line)
-            assert match, f"agent {agent.node} did not start: {line!r}\n{agent.log_text()}"
-            agent.control, agent.data = match.groups()
+            agents.start_one(node, (extra or {}).get(node, ()))
+        agents.wait_ready(timeout_s=timeout_s)
     except BaseException:
-        stop_agents(agents)
+        agents.stop()
         raise
     return agents
 
 
-def _read_line(proc: subprocess.Popen[str], deadline: float) -> str:
-    assert proc.stdout is not None
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    while time.monotonic() < deadline:
-        if sel.select(timeout=0.2):
-            return proc.stdout.readline()
-        if proc.poll() is not None:
-            return ""
-    return ""
-
-
-def stop_agents(agents: dict[str, Agent]) -> dict[str, int | None]:
-    for agent in agents.values():
-        if agent.proc.poll() is None:
-            agent.proc.send_signal(signal.SIGTERM)
-    codes: dict[str, int | None] = {}
-    for agent in agents.values():
-        try:
-            codes[agent.node] = agent.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            agent.proc.kill()
-            agent.proc.wait()
-            codes[agent.node] = None
-    return codes
-
-
 @pytest.fixture(scope="module")
-def smol_agents(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Agent]]:
+def smol_agents(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcesses]:
     """a holds [0, 10), b holds [5, 20) (overlapping), c holds [20, 30) with a small KV (600 tokens)."""
     agents = start_agents(tmp_path_factory.mktemp("smol"), smollm2_dir, {"a": (0, 10), "b": (5, 20), "c": (20, 30)},
                           extra={"c": ["--kv-capacity-tokens", "600"]})
     try:
         yield agents
     finally:
-        codes = stop_agents(agents)
+        codes = agents.stop(grace_s=STOP_GRACE_S)
     assert codes == {"a": 0, "b": 0, "c": 0}, "agents must exit cleanly on SIGTERM"
 
 
 @pytest.fixture
-def coordinator(smol_agents: dict[str, Agent]) -> Iterator[AgentsIO]:
-    with AgentsIO({n: a.control for n, a in smol_agents.items()}, secret=SECRET.encode()) as io:
+def coordinator(smol_agents: AgentProcesses) -> Iterator[AgentsIO]:
+    with AgentsIO(smol_agents.addresses(), secret=SECRET.encode()) as io:
         assert io.wait_ready(timeout_s=20), io.agents()
         yield io
 
@@ -208,12 +156,12 @@ def _reply(sock: zmq.Socket[Any]) -> wire.Message:
     return wire.decode(sock.recv_multipart())
 
 
-def test_bad_input_is_rejected_and_agents_keep_serving(smol_agents: dict[str, Agent], coordinator: AgentsIO,
+def test_bad_input_is_rejected_and_agents_keep_serving(smol_agents: AgentProcesses, coordinator: AgentsIO,
                                                        smollm2_prompts: list[list[int]],
                                                        hf_greedy: list[list[int]]) -> None:
     ctx = zmq.Context()
     try:
-        sock = _raw_dealer(ctx, smol_agents["a"].control)
+        sock = _raw_dealer(ctx, smol_agents.addresses()["a"])
         header = {"v": wire.PROTOCOL_VERSION, "k": "CANCEL", "request_id": "x"}
         bad_control = {
             "not valid msgpack": [b"\xc1\xc1\xc1"],
@@ -236,7 +184,7 @@ def test_bad_input_is_rejected_and_agents_keep_serving(smol_agents: dict[str, Ag
         assert isinstance(reply, wire.Error) and reply.code == "auth"
         # garbage on the data plane: logged, nothing to answer
         push = ctx.socket(zmq.PUSH)
-        push.connect(smol_agents["b"].data)
+        push.connect(smol_agents.agents["b"].ready["data"])
         push.send_multipart([b"garbage"])
         push.send_multipart(wire.encode(wire.Activations("ghost", 0, 0, "float32", (1, 3), b"\x00" * 12)))
         push.send_multipart([msgpack.packb({**header, "v": 0})])
@@ -244,12 +192,12 @@ def test_bad_input_is_rejected_and_agents_keep_serving(smol_agents: dict[str, Ag
     finally:
         ctx.destroy(linger=0)
     assert tokens_of(run(coordinator, [(p, SUB_RANGE) for p in smollm2_prompts[:3]])) == hf_greedy[:3]
-    assert "rejected a data-plane message" in smol_agents["b"].log_text()
-    assert "rejected a control-plane message" in smol_agents["a"].log_text()
+    assert "rejected a data-plane message" in smol_agents.agents["b"].log_text()
+    assert "rejected a control-plane message" in smol_agents.agents["a"].log_text()
 
 
-def test_wrong_secret_coordinator_is_never_connected(smol_agents: dict[str, Agent]) -> None:
-    with AgentsIO({"a": smol_agents["a"].control}, secret=b"not-the-secret") as io:
+def test_wrong_secret_coordinator_is_never_connected(smol_agents: AgentProcesses) -> None:
+    with AgentsIO({"a": smol_agents.addresses()["a"]}, secret=b"not-the-secret") as io:
         assert not io.wait_ready(timeout_s=1.5)
         assert "shared secret" in (io.agents()["a"].auth_error or "")
 
@@ -290,7 +238,7 @@ def test_dead_agent_is_noticed_and_used_again_when_back(tmp_path: Path, tiny_mod
     dead: queue.Queue[tuple[str, float]] = queue.Queue()
     alive: queue.Queue[str] = queue.Queue()
     try:
-        io = AgentsIO({n: a.control for n, a in agents.items()}, secret=SECRET.encode(), dead_after_s=1.0,
+        io = AgentsIO(agents.addresses(), secret=SECRET.encode(), dead_after_s=1.0,
                       on_agent_dead=lambda n: dead.put((n, time.monotonic())), on_agent_alive=lambda n, w: alive.put(n))
         with io:
             assert io.wait_ready(timeout_s=20)
@@ -298,7 +246,7 @@ def test_dead_agent_is_noticed_and_used_again_when_back(tmp_path: Path, tiny_mod
             events: queue.Queue[TokenEvent] = queue.Queue()
             io.submit("long", [1, 2, 3], GREEDY, pipeline, max_tokens=400, on_token=events.put)
             assert events.get(timeout=20).token_id is not None  # in flight
-            agents["b"].proc.kill()
+            agents.kill("b")  # kill -9
             killed_at = time.monotonic()
             node, noticed_at = dead.get(timeout=10)
             assert node == "b" and noticed_at - killed_at < 2.0
@@ -310,19 +258,18 @@ def test_dead_agent_is_noticed_and_used_again_when_back(tmp_path: Path, tiny_mod
             # the same node comes back on the same address: the coordinator handshakes again
             while not alive.empty():
                 alive.get()
-            (tmp_path / "again").mkdir()
-            steps = tmp_path / "again" / "steps-{node}.jsonl"  # the restarted agent also logs its steps
-            agents.update(start_agents(tmp_path / "again", tiny_model, {"b": (2, 4)},
-                                       extra={"b": ["--bind", agents["b"].control, "--step-log", str(steps)]}))
+            steps = tmp_path / "steps-{node}.jsonl"  # the restarted agent also logs its steps
+            agents.start_one("b", ["--step-log", str(steps)])  # on the control address it had
+            agents.wait_ready(timeout_s=90)
             assert alive.get(timeout=20) == "b"
             got = run(io, [([5, 6, 7], pipeline)], max_tokens=4)
             assert len(tokens_of(got)[0]) == 4
-        assert stop_agents(agents)["b"] == 0  # the log is written out when the agent stops
-        records = read_step_log(tmp_path / "again" / "steps-b.jsonl")
+        assert agents.stop(grace_s=STOP_GRACE_S)["b"] == 0  # the log is written out when the agent stops
+        records = read_step_log(tmp_path / "steps-b.jsonl")
         # b entered at layer 2 for every step: the 3-token prompt, then one decode per new token
         assert [r["by_start"] for r in records] == [{2: (3, 0, 0)}, {2: (0, 1, 4)}, {2: (0, 1, 5)}, {2: (0, 1, 6)}]
     finally:
-        stop_agents(agents)
+        agents.stop()
 
 
 # ---- the vLLM backend (these run in .venv-vllm: `make test` runs `pytest -m vllm` there) ----------------
@@ -333,7 +280,7 @@ MIXED_PIPELINE = [Stage("ta", 0, 10), Stage("vb", 10, 20), Stage("tc", 20, 30)] 
 
 
 @pytest.fixture(scope="module")
-def vllm_agents(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Agent]]:
+def vllm_agents(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcesses]:
     """va, vb, vc split SmolLM2 in three on vLLM's layers; ta and tc hold the ends on the torch engine."""
     placement = {"va": (0, 10), "vb": (10, 20), "vc": (20, 30), "ta": (0, 10), "tc": (20, 30)}
     agents = start_agents(tmp_path_factory.mktemp("vllm"), smollm2_dir, placement,
@@ -341,15 +288,15 @@ def vllm_agents(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     try:
         yield agents
     finally:
-        codes = stop_agents(agents)
+        codes = agents.stop(grace_s=STOP_GRACE_S)
     assert codes == dict.fromkeys(placement, 0), "agents must exit cleanly on SIGTERM"
 
 
 @pytest.mark.vllm
-def test_three_vllm_agents_match_transformers_greedy(vllm_agents: dict[str, Agent], smollm2_prompts: list[list[int]],
+def test_three_vllm_agents_match_transformers_greedy(vllm_agents: AgentProcesses, smollm2_prompts: list[list[int]],
                                                      hf_greedy: list[list[int]]) -> None:
     """Requests join mid-flight, prefills are chunked (16 tokens, 40 per step): transformers' greedy tokens."""
-    with AgentsIO({n: a.control for n, a in vllm_agents.items()}, secret=SECRET.encode()) as io:
+    with AgentsIO(vllm_agents.addresses(), secret=SECRET.encode()) as io:
         assert io.wait_ready(timeout_s=20), io.agents()
         got = run(io, [(p, VLLM_PIPELINE) for p in smollm2_prompts])
     assert tokens_of(got) == hf_greedy
@@ -357,11 +304,11 @@ def test_three_vllm_agents_match_transformers_greedy(vllm_agents: dict[str, Agen
 
 
 @pytest.mark.vllm
-def test_mixed_torch_and_vllm_agents_match_transformers_greedy(vllm_agents: dict[str, Agent],
+def test_mixed_torch_and_vllm_agents_match_transformers_greedy(vllm_agents: AgentProcesses,
                                                                smollm2_prompts: list[list[int]],
                                                                hf_greedy: list[list[int]]) -> None:
     """A torch agent feeds a vLLM agent which feeds a torch agent: one hidden stream on the wire."""
-    with AgentsIO({n: a.control for n, a in vllm_agents.items()}, secret=SECRET.encode()) as io:
+    with AgentsIO(vllm_agents.addresses(), secret=SECRET.encode()) as io:
         assert io.wait_ready(timeout_s=20), io.agents()
         got = run(io, [(p, MIXED_PIPELINE) for p in smollm2_prompts])
     assert tokens_of(got) == hf_greedy

@@ -79,7 +79,7 @@ def keyed(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Iterat
         yield Keyed(root, agents, curve)
     finally:
         agents.stop()
-    codes = {n: a.proc.returncode for n, a in agents.agents.items()}
+    codes = {n: a.returncode for n, a in agents.agents.items()}
     assert codes == {"a": 0, "b": 0}, "keyed agents must exit cleanly on SIGTERM (ZAP authenticator stopped)"
 
 

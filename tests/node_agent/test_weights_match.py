@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,7 +11,8 @@ import pytest
 import yaml
 
 from helix.cli import main
-from helix.errors import EngineError
+from helix.errors import EngineError, HelixError
+from helix.processes import Supervisor
 from helix.spec import load_cluster
 from node_agent.commands import check_weights
 
@@ -46,19 +45,12 @@ def _agent(cluster: Path, plan: Path, node: str, model_dir: Path) -> list[str]:
 
 def test_smollm2_weights_on_a_llama3_cluster_are_refused_before_ready(tmp_path: Path, smollm2_dir: Path) -> None:
     cluster, plan = write_llama3_cluster(tmp_path, {"a": (0, 24), "b": (24, 32)})
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "400"}
-    proc = subprocess.Popen([sys.executable, "-m", "node_agent", *_agent(cluster, plan, "a", smollm2_dir)[1:]],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
-    try:
-        assert proc.stdout is not None and proc.stderr is not None
-        first = proc.stdout.readline()  # READY if it serves; "" once it exits
-        assert "READY" not in first, "the agent started serving the wrong model"
-        assert proc.wait(timeout=60) == 5
-        err = " ".join(proc.stderr.read().split())
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    with Supervisor(tmp_path) as agents:
+        agents.start("a", [sys.executable, "-m", "node_agent", *_agent(cluster, plan, "a", smollm2_dir)[1:]],
+                     env={"COLUMNS": "400"})  # fmt: skip
+        with pytest.raises(HelixError, match="agent a exited with code 5 before it was ready"):
+            agents.wait_ready(timeout_s=60)  # READY would be the agent serving the wrong model
+        err = " ".join(agents.processes["a"].log_text().split())
     assert "'llama-3-8b' (32 layers, hidden size 4096" in err and "profiles.yaml" in err
     assert "(30 layers, hidden size 576)" in err and smollm2_dir.name in err
 

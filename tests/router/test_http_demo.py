@@ -10,23 +10,14 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 from openai import OpenAI
 
 
 def _pids_with(text: str) -> set[int]:
-    """Live processes whose command line mentions ``text``."""
-    found = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = next((ln for ln in (entry / "status").read_text().splitlines() if ln.startswith("State:")), "")
-        except OSError:
-            continue
-        if text in cmdline and "Z" not in state.split(":", 1)[-1][:3]:
-            found.add(int(entry.name))
-    return found
+    """Live processes (not zombies) whose command line mentions ``text``."""
+    return {p.pid for p in psutil.process_iter(["cmdline", "status"])
+            if p.info["status"] != psutil.STATUS_ZOMBIE and text in " ".join(p.info["cmdline"] or ())}  # fmt: skip
 
 
 def test_demo_serve_then_sigterm_leaves_nothing(demo_cluster: Path) -> None:
