@@ -56,6 +56,7 @@ def fake_agents_main(nodes: dict[str, tuple[int, int]], secret: bytes, token_ids
     import zmq
 
     from helix import wire
+    from helix.domain import FinishReason
 
     ctx = zmq.Context()
     agents = {}
@@ -100,7 +101,7 @@ def fake_agents_main(nodes: dict[str, tuple[int, int]], secret: bytes, token_ids
             reply_to, step, max_tokens, node = r
             done = step + 1 >= max_tokens
             out.setdefault((reply_to, node), []).append(
-                wire.TokenOut(rid, step, token_ids[step % len(token_ids)], done, "length" if done else ""))
+                wire.TokenOut(rid, step, token_ids[step % len(token_ids)], FinishReason.LENGTH if done else None))
             r[1] += 1
             if done:
                 del running[rid]

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import msgpack
+import msgspec
 import pytest
 import torch
 import zmq
@@ -162,13 +162,13 @@ def test_bad_input_is_rejected_and_agents_keep_serving(smol_agents: AgentProcess
     ctx = zmq.Context()
     try:
         sock = _raw_dealer(ctx, smol_agents.addresses()["a"])
-        header = {"v": wire.PROTOCOL_VERSION, "k": "CANCEL", "request_id": "x"}
+        cancel = {"k": "CANCEL", "request_id": "x"}
         bad_control = {
             "not valid msgpack": [b"\xc1\xc1\xc1"],
-            "protocol version 7": [msgpack.packb({**header, "v": 7})],
-            "unknown message kind 'FLY'": [msgpack.packb({**header, "k": "FLY"})],
+            "protocol version 7": [msgspec.msgpack.encode([7, cancel])],
+            "unknown message kind 'FLY'": [msgspec.msgpack.encode([wire.PROTOCOL_VERSION, {**cancel, "k": "FLY"}])],
             "over the limit": [b"\x00" * (MAX_FRAME + 10)],
-            "CANCEL before the handshake": [msgpack.packb(header)],
+            "CANCEL before the handshake": wire.encode(wire.Cancel("x")),
             "AUTH without a pending HELLO": wire.encode(wire.Auth(b"0" * 32)),
         }
         for fragment, frames in bad_control.items():
@@ -187,7 +187,7 @@ def test_bad_input_is_rejected_and_agents_keep_serving(smol_agents: AgentProcess
         push.connect(smol_agents.agents["b"].ready["data"])
         push.send_multipart([b"garbage"])
         push.send_multipart(wire.encode(wire.Activations("ghost", 0, 0, "float32", (1, 3), b"\x00" * 12)))
-        push.send_multipart([msgpack.packb({**header, "v": 0})])
+        push.send_multipart([msgspec.msgpack.encode([0, cancel])])
         push.close(linger=5000)  # deliver before the context goes
     finally:
         ctx.destroy(linger=0)

@@ -24,7 +24,7 @@ import zmq
 import zmq.auth
 
 from helix import wire
-from helix.domain import Stage
+from helix.domain import FinishReason, Stage
 from helix.keys import CurveKeys, coordinator_keys, read_certificate
 from helix.spec import load_cluster
 from router.agents_io import AgentsIO
@@ -165,7 +165,7 @@ def test_peers_without_the_right_key_are_refused_on_every_plane_and_logged(
         for keys in (None, stranger):
             push = socket_as(ctx, zmq.PUSH, keys, keyed.curve.own.public)
             push.connect(coordinator.reply_to)
-            push.send_multipart(wire.encode(wire.Tokens("a", (wire.TokenOut("ghost", 0, 1, True, "stop"),))),
+            push.send_multipart(wire.encode(wire.Tokens("a", (wire.TokenOut("ghost", 0, 1, FinishReason.STOP),))),
                                 flags=zmq.NOBLOCK)  # fmt: skip
             pushes.append(push)
         wait_for(lambda: keyed.log("a").count("refused a peer on the control plane of a") >= 3, "a's control refusals")
@@ -208,11 +208,11 @@ def test_a_stolen_coordinator_key_cannot_send_results_outside_the_cluster(
         dealer.send_multipart(wire.encode(wire.Auth(wire.prove(SECRET.encode(), "coordinator", challenge.nonce, nonce))))
         assert isinstance(reply(), wire.Welcome)  # the thief is a coordinator now
 
-        stages = tuple(wire.StageRef(s.node, s.layer_start, s.layer_end, keyed.data[s.node]) for s in PIPELINE)
+        stages = tuple(wire.StageRef(s, keyed.data[s.node]) for s in PIPELINE)
         redirected = {
             "reply_to": (stages, OUTSIDE),
-            "stage address": ((stages[0], wire.StageRef("b", 16, 30, OUTSIDE)), coordinator.reply_to),
-            "not in the cluster file": ((stages[0], wire.StageRef("evil", 16, 30, OUTSIDE)), coordinator.reply_to),
+            "stage address": ((stages[0], wire.StageRef(Stage("b", 16, 30), OUTSIDE)), coordinator.reply_to),
+            "not in the cluster file": ((stages[0], wire.StageRef(Stage("evil", 16, 30), OUTSIDE)), coordinator.reply_to),
         }
         for i, (fragment, (pipeline, reply_to)) in enumerate(redirected.items()):
             dealer.send_multipart(wire.encode(wire.Admit(f"steal-{i}", prompt, 4, wire.SamplingSpec(), pipeline,
