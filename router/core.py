@@ -197,8 +197,9 @@ class CoordinatorCore:
             elif isinstance(event, wire.Refused):
                 request = self._by_wire.get(event.request_id)
                 if request is not None:
-                    self._on_attempt_error(request, ErrorCode(event.code) if event.code in _CODES else None,
-                                           f"node {event.node_id}: {event.reason}", event.node_id, event.code)
+                    code = ErrorCode(event.code) if event.code in _CODES else None  # decoded: always a code
+                    self._on_attempt_error(request, code, f"node {event.node_id}: {event.reason}", event.node_id,
+                                           str(event.code))  # fmt: skip
             elif isinstance(event, Unreachable):
                 request = self._by_wire.get(event.wire_id)
                 if request is not None:
@@ -248,9 +249,8 @@ class CoordinatorCore:
                 return False
         request.attempt += 1
         request.wire_id = f"{request.request_id}.{request.attempt}"
-        stages = tuple(wire.StageRef(s.node, s.layer_start, s.layer_end, self.addresses.get(s.node, ""))
-                       for s in pipeline.stages)  # fmt: skip
-        self._send(stages[0].node_id, wire.Admit(request.wire_id, tuple(prompt), request.remaining_tokens,
+        stages = tuple(wire.StageRef(s, self.addresses.get(s.node, "")) for s in pipeline.stages)
+        self._send(stages[0].stage.node, wire.Admit(request.wire_id, tuple(prompt), request.remaining_tokens,
                                                  self._sampling(request), stages, self.reply_to, request.params.task))
         request.pipeline, request.attempt_tokens, request.status = pipeline, 0, RequestStatus.RUNNING
         request.pipelines.append(pipeline)
@@ -429,4 +429,4 @@ class CoordinatorCore:
         self._out.messages.append((node, msg))
 
 
-_CODES = {c.value for c in ErrorCode}
+_CODES = frozenset(c.value for c in ErrorCode)

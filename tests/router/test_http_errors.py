@@ -4,12 +4,14 @@ serving. Also: API keys, and a client that disconnects mid-stream frees its requ
 from __future__ import annotations
 
 import json
+import socket
 
 import httpx
 import openai
 import pytest
 
 MODEL = "smollm2-135m"
+API_KEY = "test-key"  # the serving cluster's (tests/router/conftest.py)
 CHAT = [{"role": "user", "content": "Say hi."}]
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 
@@ -183,13 +185,15 @@ def test_a_client_gone_before_its_answer_is_dropped(serving_cluster) -> None:
     coordinator = serving_cluster.coordinator
     dropped = coordinator.metrics.requests.labels("chat", "disconnected")
     before = dropped._value.get()
-    # an answer far longer than the client waits ("Say hi." can end by itself within the 1.5 s on a
-    # slow machine, and then it is counted as finished, not dropped)
+    # a long answer; the client hangs up once the coordinator is generating it (no read timeout to race)
     long_answer = [{"role": "user", "content": "Count from 1 to 1000, one number per line."}]
-    body = {"model": MODEL, "messages": long_answer, "max_tokens": 2000, "temperature": 0}
-    with serving_cluster.http() as http:
-        with pytest.raises(httpx.ReadTimeout):  # gives up, closing the connection mid-answer
-            http.post("/v1/chat/completions", json=body, timeout=httpx.Timeout(10, read=1.5))
+    payload = json.dumps({"model": MODEL, "messages": long_answer, "max_tokens": 2000, "temperature": 0}).encode()
+    host, port = serving_cluster.base_url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(payload)}\r\n\r\n".encode()
+                     + payload)
+        serving_cluster.wait_until(lambda: coordinator.core.running >= 1, what="request running")
     serving_cluster.wait_until(lambda: coordinator.health_details()["running"] == 0, what="request dropped")
     assert dropped._value.get() == before + 1  # dropped as a disconnect, not finished
     serving_cluster.wait_until(
