@@ -1,20 +1,23 @@
 """The planner's entry points: :func:`make_plan`, :func:`evaluate_plan`, :func:`load_checked_plan` (a
 complete plan, e.g. for serving) and :func:`load_for_evaluation` (a placement, possibly hand-written).
 
-``make_plan`` runs one method — our optimizer (``helix``, in ``planner.optimize``), the
-paper's MILP (``paper-milp``, ``planner.milp``) or a baseline (``planner.baselines``) —
-then evaluates the placement it got on the full cluster graph (``planner.graph``) and
-returns a :class:`~helix.plan.Plan` with flows, bottleneck (min cut), upper bound,
-status and wall time. Every plan produced or loaded goes through ``check_plan`` (structure,
-coverage, layer limits, flow conservation) and ``check_flows`` (capacities).
+``make_plan`` turns its keywords into :class:`~planner.options.PlannerOptions` and runs the method
+they name (:class:`~planner.options.Method`) — our optimizer (``helix``, in ``planner.optimize``),
+the paper's MILP (``paper-milp``, ``planner.milp``) or a baseline (``planner.baselines``) — then
+evaluates the placement it got on the full cluster graph (``planner.graph``) and returns a
+:class:`~helix.plan.Plan` with flows, bottleneck (min cut), upper bound, status and wall time.
+Every plan produced or loaded goes through ``check_plan`` (structure, coverage, layer limits, flow
+conservation) and ``check_flows`` (capacities).
 """
 
 from __future__ import annotations
 
-import inspect
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from helix.domain import Placement, as_placement
 from helix.errors import ConfigError, HelixError, InfeasiblePlanError
 from helix.perf_model import NETWORK_FREE_BOUND, network_free_bound
 from helix.plan import FlowEdge, Plan, check_plan, load_placement, load_plan
@@ -22,20 +25,18 @@ from helix.profile import ProfileSet
 from helix.spec import ClusterSpec
 from planner import baselines
 from planner.budget import BOUND_MET, TIME_LIMIT, Deadline
-from planner.graph import CapacityModel, Placement, check_flows, evaluate
+from planner.capacity import CapacityModel
+from planner.graph import check_flows, evaluate
 from planner.metrics import placement_stats
+from planner.options import Method, Objective, PlannerOptions
 from planner.progress import ProgressFn
 
 if TYPE_CHECKING:
     from planner.simulated import RunSimulation
 
-METHODS = ("helix", "paper-milp", *baselines.BASELINES)
-OBJECTIVES = ("serving", "max-flow")
+METHODS = tuple(m.value for m in Method)
+OBJECTIVES = tuple(o.value for o in Objective)
 NETWORK_FREE = f"network-free ({NETWORK_FREE_BOUND})"
-
-
-def _gpu_of(cluster: ClusterSpec) -> dict[str, str]:
-    return {n.id: n.gpu for n in cluster.nodes}
 
 
 def baseline_placements(cluster: ClusterSpec, profiles: ProfileSet, cap: CapacityModel | None = None) -> dict[str, Placement]:
@@ -44,23 +45,25 @@ def baseline_placements(cluster: ClusterSpec, profiles: ProfileSet, cap: Capacit
     out: dict[str, Placement] = {}
     for name in baselines.BASELINES:
         try:
-            out[name] = baselines.run_baseline(name, cap, _gpu_of(cluster))
+            out[name] = baselines.run_baseline(name, cap)
         except InfeasiblePlanError:
             continue
     return out
 
 
-def _call_optimize(cluster: ClusterSpec, profiles: ProfileSet, warm: list[Placement], **kw: Any) -> Any:
-    try:
-        from planner.optimize import optimize
-    except ImportError as exc:
-        raise ConfigError(
-            f"method 'helix' is not available in this build ({exc}); use --method paper-milp or a baseline",
-            field="--method",
-        ) from None
-    accepted = inspect.signature(optimize).parameters
-    kw["warm_start"] = warm
-    return optimize(cluster, profiles, **{k: v for k, v in kw.items() if k in accepted})
+@dataclass(slots=True)
+class _Found:
+    """What a method found, before the plan's final evaluation."""
+
+    placement: Placement
+    bound: float
+    bound_method: str
+    status: str = "heuristic"
+    solver: str | None = None
+    stop_reason: str | None = None
+    score: dict[str, float] = field(default_factory=dict)
+    stats: dict[str, Any] = field(default_factory=dict)
+    flows: list[FlowEdge] = field(default_factory=list)
 
 
 def make_plan(
@@ -73,7 +76,7 @@ def make_plan(
     threads: int = 2,
     partial_handoffs: bool = True,
     prune_links: float = 0.0,
-    warm_start: Placement | None = None,
+    warm_start: Mapping[str, tuple[int, int]] | None = None,
     stop_at_bound: bool = False,
     solver: str = "highs",
     seed: int = 0,
@@ -83,7 +86,8 @@ def make_plan(
     simulate: bool = True,
     simulator: RunSimulation | None = None,
 ) -> Plan:
-    """Plan ``cluster`` with ``method`` and return a checked :class:`Plan`.
+    """Plan ``cluster`` with ``method`` and return a checked :class:`Plan` (the keywords are
+    :class:`~planner.options.PlannerOptions`' fields, and what the run reports to and gets from outside).
 
     The whole call (search, bound, final evaluation) ends by ``deadline`` (default:
     ``time_limit_s`` from now) plus the plan's final check; ``helix`` stops earlier when its
@@ -92,91 +96,86 @@ def make_plan(
     (``simulator.short_run.run_short``; ``helix plan`` passes it) unless ``simulate`` is False."""
     deadline = deadline if deadline is not None else Deadline.after(time_limit_s)
     t0 = deadline.clock()
-    if method not in METHODS:
-        raise ConfigError(f"unknown method {method!r} (choose from {', '.join(METHODS)})", field="--method")
-    if objective not in OBJECTIVES:
-        raise ConfigError(f"unknown objective {objective!r} (choose from {', '.join(OBJECTIVES)})", field="--objective")
+    options = PlannerOptions(
+        method=Method.parse(method), objective=Objective.parse(objective), time_limit_s=time_limit_s, threads=threads,
+        partial_handoffs=partial_handoffs, prune_links=prune_links, stop_at_bound=stop_at_bound, solver=solver,
+        seed=seed, stall_s=stall_s, simulate=simulate,
+    )
     cap = CapacityModel.build(cluster, profiles)
+    warm = None
     if warm_start is not None:
         _check_placement(cap, warm_start, source="--warm-start")
-    bound, bound_method = network_free_bound(cap.node_tok_s.values(), cap.num_layers), NETWORK_FREE
-    status, solver_name, stop_reason = "heuristic", None, None
-    score: dict[str, float] = {}
-    stats: dict[str, Any] = {}
-    given_flows: list[FlowEdge] = []
-    if method in baselines.BASELINES:
-        placement = baselines.run_baseline(method, cap, _gpu_of(cluster))
-    elif method == "paper-milp":
-        from planner import milp
-
-        start = warm_start
-        if start is None:  # the paper hints the solver with its heuristics' best
-            cands = baseline_placements(cluster, profiles, cap)
-            start = max(cands.values(), key=lambda p: evaluate(cap, p, partial_handoffs=partial_handoffs, with_cut=False).max_flow_tok_s, default=None)
-        res = milp.solve_paper_milp(
-            cap,
-            partial_handoffs=partial_handoffs,
-            time_limit_s=time_limit_s,
-            deadline=deadline,
-            threads=threads,
-            solver=solver,
-            warm_start=start,
-            prune_links_frac=prune_links,
-            stop_at_bound=stop_at_bound,
-            on_progress=on_progress,
-        )
-        placement, bound, bound_method = res.placement, res.upper_bound_tok_s, res.bound_method
-        status, solver_name, stats = res.status, res.solver, dict(res.stats)
-        stop_reason = BOUND_MET if res.status in ("optimal", "reached_target") else TIME_LIMIT
+        warm = as_placement(warm_start)
+    if options.method.is_baseline:
+        nf_bound = network_free_bound(cap.node_tok_s.values(), cap.num_layers)
+        found = _Found(baselines.run_baseline(options.method, cap), nf_bound, NETWORK_FREE)
+    elif options.method == Method.PAPER_MILP:
+        found = _run_paper_milp(cluster, profiles, cap, options, warm, on_progress=on_progress, deadline=deadline)
     else:
-        warm = [warm_start] if warm_start is not None else []
-        warm += list(baseline_placements(cluster, profiles, cap).values())
-        res = _call_optimize(
-            cluster,
-            profiles,
-            warm,
-            objective=objective,
-            time_limit_s=time_limit_s,
-            threads=threads,
-            partial_handoffs=partial_handoffs,
-            prune_links=prune_links,
-            stop_at_bound_gap=0.0 if stop_at_bound else None,
-            seed=seed,
-            on_progress=on_progress,
-            stall_s=stall_s,
-            deadline=deadline,
-            simulate=simulate,
-            simulator=simulator,
-        )
-        placement = dict(res.placement)
-        if res.upper_bound_tok_s is not None:
-            bound, bound_method = float(res.upper_bound_tok_s), str(res.bound_method)
-        status, solver_name = str(res.status), res.solver
-        score = {k: float(v) for k, v in (getattr(res, "score", None) or {}).items() if isinstance(v, int | float)}
-        stats = dict(getattr(res, "stats", None) or {})
-        given_flows = list(getattr(res, "flows", None) or [])
-        stop_reason = getattr(res, "stop_reason", None)
+        found = _run_optimizer(cluster, profiles, cap, options, warm, on_progress=on_progress, deadline=deadline,
+                               simulator=simulator)
     plan = finish_plan(
         cluster,
         profiles,
-        placement,
-        method=method,
-        objective=objective if method == "helix" else "max-flow",
-        partial_handoffs=partial_handoffs,
-        upper_bound_tok_s=bound,
-        bound_method=bound_method,
-        status=status,
-        solver=solver_name,
+        found.placement,
+        method=options.method.value,
+        objective=options.objective.value if options.method == Method.HELIX else Objective.MAX_FLOW.value,
+        partial_handoffs=options.partial_handoffs,
+        upper_bound_tok_s=found.bound,
+        bound_method=found.bound_method,
+        status=found.status,
+        solver=found.solver,
         wall_s=deadline.clock() - t0,
-        score=score,
-        stats=stats,
+        score=found.score,
+        stats=found.stats,
         cap=cap,
-        flows=given_flows,
-        stop_reason=stop_reason,
+        flows=found.flows,
+        stop_reason=found.stop_reason,
     )
     if plan.max_flow_tok_s <= 0:
-        raise InfeasiblePlanError(_why_no_pipeline(cluster, method))
+        raise InfeasiblePlanError(_why_no_pipeline(cluster, options.method))
     return plan
+
+
+def _run_paper_milp(cluster: ClusterSpec, profiles: ProfileSet, cap: CapacityModel, options: PlannerOptions,
+                    warm: Placement | None, *, on_progress: ProgressFn | None, deadline: Deadline) -> _Found:
+    """Method ``paper-milp``, hinted (as the paper does) with the best baseline unless given a warm start."""
+    from planner import milp  # imported when used: it pulls in the solvers (pulp, highspy)
+
+    start = warm
+    if start is None:  # the paper hints the solver with its heuristics' best
+        cands = baseline_placements(cluster, profiles, cap)
+        start = max(cands.values(), default=None,
+                    key=lambda p: evaluate(cap, p, partial_handoffs=options.partial_handoffs, with_cut=False).max_flow_tok_s)
+    res = milp.solve_paper_milp(
+        cap,
+        partial_handoffs=options.partial_handoffs,
+        time_limit_s=options.time_limit_s,
+        deadline=deadline,
+        threads=options.threads,
+        solver=options.solver,
+        warm_start=start,
+        prune_links_frac=options.prune_links,
+        stop_at_bound=options.stop_at_bound,
+        on_progress=on_progress,
+    )
+    stop_reason = BOUND_MET if res.status in ("optimal", "reached_target") else TIME_LIMIT
+    return _Found(res.placement, res.upper_bound_tok_s, res.bound_method, res.status, res.solver, stop_reason,
+                  stats=dict(res.stats))
+
+
+def _run_optimizer(cluster: ClusterSpec, profiles: ProfileSet, cap: CapacityModel, options: PlannerOptions,
+                   warm: Placement | None, *, on_progress: ProgressFn | None, deadline: Deadline,
+                   simulator: RunSimulation | None) -> _Found:
+    """Method ``helix``, from the warm start and every feasible baseline."""
+    from planner.optimize import optimize  # imported when used: it pulls in the solvers (pulp, highspy)
+
+    starts = [warm] if warm is not None else []
+    starts += list(baseline_placements(cluster, profiles, cap).values())
+    res = optimize(cluster, profiles, options, warm_start=starts, on_progress=on_progress, deadline=deadline,
+                   simulator=simulator)
+    return _Found(dict(res.placement), float(res.upper_bound_tok_s), res.bound_method, res.status, res.solver,
+                  res.stop_reason, score=dict(res.score), stats=dict(res.stats), flows=list(res.flows))
 
 
 def _why_no_pipeline(cluster: ClusterSpec, method: str) -> str:
@@ -197,7 +196,7 @@ def _why_no_pipeline(cluster: ClusterSpec, method: str) -> str:
 def finish_plan(
     cluster: ClusterSpec,
     profiles: ProfileSet,
-    placement: Placement,
+    placement: Mapping[str, tuple[int, int]],
     *,
     method: str,
     partial_handoffs: bool = True,
@@ -219,19 +218,19 @@ def finish_plan(
     they carry the same max flow as the graph's; otherwise networkx's flows are used.
     """
     cap = cap or CapacityModel.build(cluster, profiles)
-    placement = {n: (int(s), int(e)) for n, (s, e) in placement.items()}
-    result = evaluate(cap, placement, partial_handoffs=partial_handoffs)
+    ranges = as_placement(placement)
+    result = evaluate(cap, ranges, partial_handoffs=partial_handoffs)
     if flows:
         out_of_source = sum(e.tok_s for e in flows if e.src == cluster.coordinator.id)
         if abs(out_of_source - result.max_flow_tok_s) <= 1e-6 * max(1.0, result.max_flow_tok_s):
             result.flows = list(flows)
     all_stats = dict(stats or {})
-    all_stats.update(placement_stats(cluster, profiles, placement, result.flows))
+    all_stats.update(placement_stats(cluster, profiles, ranges, result.flows))
     plan = Plan(
         cluster=cluster.name,
         model=cluster.model,
         method=method,
-        placement=placement,
+        placement=dict(ranges),
         max_flow_tok_s=result.max_flow_tok_s,
         upper_bound_tok_s=upper_bound_tok_s,
         bound_method=bound_method,
@@ -269,7 +268,7 @@ def check_plan_against(plan: Plan, cluster: ClusterSpec, cap: CapacityModel, *, 
             raise ConfigError(exc.detail, source=source, field=exc.field) from None
 
 
-def _check_placement(cap: CapacityModel, placement: Placement, *, source: str) -> None:
+def _check_placement(cap: CapacityModel, placement: Mapping[str, tuple[int, int]], *, source: str) -> None:
     for node, (s, e) in placement.items():
         if node not in cap.max_layers:
             raise ConfigError(f"node {node!r} is not in the cluster", source=source, field=f"placement.{node}")
@@ -281,21 +280,18 @@ def serving_estimate(cluster: ClusterSpec, profiles: ProfileSet, plan: Plan, *, 
     """Decode tokens/s the optimizer's serving model estimates for a plan (None if unavailable),
     routed by the plan's flows (``flows="plan"``) or by the flows the paper's simulator
     recomputes (``"judge"``: :func:`planner.flows.judge_flows`)."""
-    try:
-        from planner.flows import judge_flows
-        from planner.instance import Instance
-        from planner.serving_model import ServingModel
-    except ImportError:
-        return None
+    from planner.flows import judge_flows  # imported when used: they pull in the solvers (highspy)
+    from planner.serving_model import ServingModel
+
     if flows not in ("plan", "judge"):
         raise ConfigError(f"unknown flows {flows!r} (plan or judge)", field="flows")
     try:
-        inst = Instance.build(cluster, profiles)
+        cap = CapacityModel.build(cluster, profiles)
         if flows == "judge":
-            routed = judge_flows(inst.cap, dict(plan.placement), partial_handoffs=plan.partial_handoffs)
+            routed = judge_flows(cap, plan.placement, partial_handoffs=plan.partial_handoffs)
         else:
             routed = {(e.src, e.dst): e.tok_s for e in plan.flows}
-        est = ServingModel(inst).estimate(dict(plan.placement), routed, plan.max_flow_tok_s)
+        est = ServingModel(cap).estimate(as_placement(plan.placement), routed, plan.max_flow_tok_s)
     except Exception:  # noqa: BLE001 - an estimate beside the table, never a reason to fail
         return None
     return float(est.decode_tok_s)

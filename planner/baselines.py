@@ -1,7 +1,7 @@
 """The paper's baseline placements: Petals, Swarm, separate pipelines, and a uniform layout.
 
-Each function takes the cluster's :class:`~planner.graph.CapacityModel` and returns a
-placement ``{node_id: (start, end)}`` (half-open layer ranges) that covers every layer and
+Each function takes the cluster's :class:`~planner.capacity.CapacityModel` and returns a
+placement (node id -> :class:`~helix.domain.LayerRange`, half-open) that covers every layer and
 respects every node's ``max_layers``, or raises :class:`~helix.errors.InfeasiblePlanError`
 saying why the scheme cannot place the model on this cluster. They follow the descriptions
 in the Helix paper (sections 5.1 and 5.6):
@@ -26,8 +26,9 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 
+from helix.domain import LayerRange, Placement
 from helix.errors import InfeasiblePlanError
-from planner.graph import CapacityModel, Placement
+from planner.capacity import CapacityModel
 
 BASELINES = ("petals", "swarm", "separate", "uniform")
 
@@ -43,7 +44,7 @@ def _check_capacity(cap: CapacityModel, scheme: str) -> None:
 def _strongest_first(cap: CapacityModel) -> list[str]:
     """Nodes by the tokens/s they push through a full load of layers, strongest first (stable)."""
     return sorted(
-        cap.node_tok_s,
+        cap.nodes,
         key=lambda n: -cap.max_layers[n] * cap.node_capacity(n, cap.max_layers[n]),
     )
 
@@ -65,7 +66,7 @@ def petals(cap: CapacityModel) -> Placement:
     for node in _strongest_first(cap):
         k = min(cap.max_layers[node], num)
         start = min(range(num - k + 1), key=lambda s: (sorted(served[s : s + k]), s))
-        placement[node] = (start, start + k)
+        placement[node] = LayerRange(start, start + k)
         t = cap.node_capacity(node, k)
         for layer in range(start, start + k):
             served[layer] += t
@@ -87,38 +88,37 @@ def swarm(cap: CapacityModel) -> Placement:
             f"{stages} nodes but the cluster has {len(nodes)}"
         )
     base, extra = divmod(num, stages)
-    bounds: list[tuple[int, int]] = []
+    bounds: list[LayerRange] = []
     pos = 0
     for i in range(stages):
         width = base + (1 if i < extra else 0)
-        bounds.append((pos, pos + width))
+        bounds.append(LayerRange(pos, pos + width))
         pos += width
     stage_tok_s = [0.0] * stages
     placement: Placement = {}
     for node in nodes:
         i = min(range(stages), key=lambda j: (stage_tok_s[j], j))
         s, e = bounds[i]
-        placement[node] = (s, e)
+        placement[node] = bounds[i]
         stage_tok_s[i] += cap.node_capacity(node, e - s)
     return placement
 
 
-def _gpu_groups(cap: CapacityModel, gpu_of: dict[str, str] | None) -> dict[tuple[str, int], list[str]]:
-    """Interchangeable nodes: same GPU type (or capacity table) and the same layer limit."""
+def _gpu_groups(cap: CapacityModel) -> dict[tuple[str, int], list[str]]:
+    """Interchangeable nodes: same GPU type and the same layer limit."""
     groups: dict[tuple[str, int], list[str]] = defaultdict(list)
-    for node in cap.node_tok_s:
-        kind = gpu_of[node] if gpu_of else f"{cap.node_tok_s[node]!r}"
-        groups[(kind, cap.max_layers[node])].append(node)
+    for node in cap.nodes:
+        groups[(cap.gpu_of[node], cap.max_layers[node])].append(node)
     return groups
 
 
-def separate(cap: CapacityModel, gpu_of: dict[str, str] | None = None) -> Placement:
+def separate(cap: CapacityModel) -> Placement:
     """Separate pipelines: per GPU type, as many homogeneous pipelines as its nodes allow."""
     _check_capacity(cap, "separate")
     num = cap.num_layers
     placement: Placement = {}
     why: list[str] = []
-    for (gpu, limit), nodes in sorted(_gpu_groups(cap, gpu_of).items()):
+    for (gpu, limit), nodes in sorted(_gpu_groups(cap).items()):
         need = -(-num // limit)
         pipes = len(nodes) // need
         if pipes == 0:
@@ -130,7 +130,7 @@ def separate(cap: CapacityModel, gpu_of: dict[str, str] | None = None) -> Placem
             pos = 0
             for i, node in enumerate(members):
                 width = base + (1 if i < extra else 0)
-                placement[node] = (pos, pos + width)
+                placement[node] = LayerRange(pos, pos + width)
                 pos += width
     if not placement:
         raise InfeasiblePlanError(
@@ -143,7 +143,7 @@ def uniform(cap: CapacityModel) -> Placement:
     """Every node holds the same number of layers, laid end to end, wrapping round."""
     _check_capacity(cap, "uniform")
     num = cap.num_layers
-    nodes = list(cap.node_tok_s)
+    nodes = list(cap.nodes)
     k = min(min(cap.max_layers.values()), num)
     if k * len(nodes) < num:
         raise InfeasiblePlanError(
@@ -153,20 +153,20 @@ def uniform(cap: CapacityModel) -> Placement:
     pos = 0
     for node in nodes:
         if pos + k >= num:
-            placement[node] = (num - k, num)
+            placement[node] = LayerRange(num - k, num)
             pos = 0
         else:
-            placement[node] = (pos, pos + k)
+            placement[node] = LayerRange(pos, pos + k)
             pos += k
     return placement
 
 
-def run_baseline(name: str, cap: CapacityModel, gpu_of: dict[str, str] | None = None) -> Placement:
+def run_baseline(name: str, cap: CapacityModel) -> Placement:
     """Dispatch by name (one of :data:`BASELINES`)."""
     table: dict[str, Callable[[CapacityModel], Placement]] = {
         "petals": petals,
         "swarm": swarm,
-        "separate": lambda c: separate(c, gpu_of),
+        "separate": separate,
         "uniform": uniform,
     }
     if name not in table:

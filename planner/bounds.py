@@ -30,12 +30,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
-
 from helix.perf_model import NETWORK_FREE_BOUND, network_free_bound
 from planner.budget import Deadline
-from planner.highs_model import Model, new_highs, run
-from planner.instance import Instance
+from planner.capacity import CapacityModel
+from planner.solvers import Model
 
 MAX_CONFIGS = 6000
 
@@ -47,18 +45,18 @@ class Bound:
     proven: bool = True
 
 
-def area_bound(inst: Instance) -> float:
+def area_bound(cap: CapacityModel) -> float:
     """The network-free bound (1 above) over every node's ``T(k)`` up to its layer limit."""
-    tables = (inst.gpus[inst.gpu_of[n]] for n in inst.nodes)
-    return network_free_bound((g.tok_s[: g.max_layers] for g in tables), inst.num_layers)
+    tables = (cap.kind(n) for n in cap.nodes)
+    return network_free_bound((g.tok_s[: g.max_layers] for g in tables), cap.num_layers)
 
 
-def coordinator_bound(inst: Instance) -> float:
-    out = sum(inst.cap.token_link_tok_s(inst.coordinator, n) or 0.0 for n in inst.nodes)
-    back = sum(inst.cap.token_link_tok_s(n, inst.coordinator) or 0.0 for n in inst.nodes)
+def coordinator_bound(cap: CapacityModel) -> float:
+    out = sum(cap.token_link_tok_s(cap.coordinator, n) or 0.0 for n in cap.nodes)
+    back = sum(cap.token_link_tok_s(n, cap.coordinator) or 0.0 for n in cap.nodes)
     b = min(out, back)
-    if inst.cap.nic_gbps is not None:
-        b = min(b, inst.cap.nic_gbps * 1e9 / 8 / inst.cap.token_bytes)
+    if cap.nic_gbps is not None:
+        b = min(b, cap.nic_gbps * 1e9 / 8 / cap.token_bytes)
     return b
 
 
@@ -86,13 +84,13 @@ def _configs(heights: list[float], need: float, limit: int) -> list[tuple[int, .
     return out if rec(0, 0.0) else None
 
 
-def configuration_feasible(inst: Instance, flow: float, *, time_limit_s: float = 10.0) -> bool | None:
+def configuration_feasible(cap: CapacityModel, flow: float, *, time_limit_s: float = 10.0) -> bool | None:
     """Whether the layer-configuration relaxation admits max flow >= ``flow``.
 
     True/False are proofs (False => no placement reaches ``flow``); None = undecided."""
-    kinds = [(t, k) for t in inst.types for k in range(1, inst.gpus[t].max_layers + 1)]
-    counts = inst.counts()
-    exact_h = [inst.gpus[t].tok_s[k - 1] for t, k in kinds]
+    kinds = [(t, k) for t in cap.kind_names for k in range(1, cap.kinds[t].max_layers + 1)]
+    counts = cap.kind_counts()
+    exact_h = [cap.kinds[t].tok_s[k - 1] for t, k in kinds]
     configs = _configs(exact_h, flow, MAX_CONFIGS)
     classes: list[list[int]]  # height class -> kinds in it
     if configs is not None:
@@ -110,15 +108,15 @@ def configuration_feasible(inst: Instance, flow: float, *, time_limit_s: float =
             return None
     m = Model()
     n_col = [m.add_col(0, counts[t], integer=True) for t, _ in kinds]
-    x_col = [m.add_col(0, inst.num_layers, integer=True) for _ in configs]
-    m.add_row(x_col, [1.0] * len(x_col), inst.num_layers, inst.num_layers)
+    x_col = [m.add_col(0, cap.num_layers, integer=True) for _ in configs]
+    m.add_row(x_col, [1.0] * len(x_col), cap.num_layers, cap.num_layers)
     for ci, members in enumerate(classes):
         idx = [x_col[c] for c, cf in enumerate(configs) if ci in cf]
         val = [float(configs[c].count(ci)) for c, cf in enumerate(configs) if ci in cf]
         idx += [n_col[q] for q in members]
         val += [-float(kinds[q][1]) for q in members]
         m.add_row(idx, val, hi=0.0)
-    for t in inst.types:
+    for t in cap.kind_names:
         idx = [n_col[q] for q, (tt, _) in enumerate(kinds) if tt == t]
         m.add_row(idx, [1.0] * len(idx), hi=counts[t])
     sol = m.solve(time_limit_s=time_limit_s)
@@ -130,7 +128,7 @@ def configuration_feasible(inst: Instance, flow: float, *, time_limit_s: float =
 
 
 def configuration_lp_feasible(
-    inst: Instance, flow: float, *, time_limit_s: float = 10.0, deadline: Deadline | None = None
+    cap: CapacityModel, flow: float, *, time_limit_s: float = 10.0, deadline: Deadline | None = None
 ) -> bool | None:
     """The LP relaxation of the layer-configuration model, by column generation.
 
@@ -144,43 +142,36 @@ def configuration_lp_feasible(
     knapsack solved exactly by HiGHS: minimize sum_{t,k} pi_t m_{t,k} / k subject to
     sum_{t,k} T_t(k) m_{t,k} >= flow, 0 <= m_{t,k} <= N_t integer. False is a proof.
     Stops undecided (None) at ``deadline`` or after ``time_limit_s``, whichever is first."""
-    import highspy
-
     deadline = (deadline or Deadline.after(time_limit_s)).within(time_limit_s)
-    counts = inst.counts()
-    types = inst.types
-    kinds = [(t, k) for t in types for k in range(1, inst.gpus[t].max_layers + 1)]
+    counts = cap.kind_counts()
+    types = cap.kind_names
+    kinds = [(t, k) for t in types for k in range(1, cap.kinds[t].max_layers + 1)]
     cols: list[list[float]] = []  # a_{t,c} per type
     # start with single-kind columns that cover alone or with repeats (always valid configs)
     for t, k in kinds:
-        height = inst.gpus[t].tok_s[k - 1]
+        height = cap.kinds[t].tok_s[k - 1]
         reps = math.ceil(flow / height - 1e-12)
         if reps <= counts[t]:
             cols.append([reps / k if tt == t else 0.0 for tt in types])
     if not cols:
         cols.append([counts[t] + 1.0 for t in types])  # a dummy that no budget affords
-    L = float(inst.num_layers)
+    L = float(cap.num_layers)
     while not deadline.expired():
-        h = new_highs()
-        h.setOptionValue("time_limit", deadline.solver_limit())
-        h.setOptionValue("threads", 1)
-        h.setOptionValue("presolve", "off")
-        m = len(cols)
-        h.addVars(m, np.zeros(m), np.full(m, highspy.kHighsInf))
-        h.changeColsCost(m, np.arange(m, dtype=np.int32), -np.ones(m))
+        master = Model()  # minimize -sum_c x_c
+        master_cols = [master.add_col(0.0, cost=-1.0) for _ in cols]
         for ti, t in enumerate(types):
-            idx = np.array([j for j in range(m) if cols[j][ti] > 0], dtype=np.int32)
-            h.addRow(-highspy.kHighsInf, float(counts[t]), len(idx), idx, np.array([cols[j][ti] for j in idx]))
-        run(h)
-        if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+            idx = [j for j in range(len(cols)) if cols[j][ti] > 0]
+            master.add_row([master_cols[j] for j in idx], [cols[j][ti] for j in idx], hi=float(counts[t]))
+        got = master.solve(time_limit_s=deadline.solver_limit(), options={"presolve": "off"})
+        if got.status != "optimal":
             return None
-        covered = -h.getInfo().objective_function_value
+        covered = -got.objective
         if covered >= L * (1 - 1e-9):
             return True
-        duals = [max(0.0, -d) for d in h.getSolution().row_dual]
+        duals = [max(0.0, -d) for d in got.row_dual]
         price = Model()
         mcols = [price.add_col(0, counts[t], cost=duals[types.index(t)] / k, integer=True) for t, k in kinds]
-        price.add_row(mcols, [inst.gpus[t].tok_s[k - 1] for t, k in kinds], lo=flow)
+        price.add_row(mcols, [cap.kinds[t].tok_s[k - 1] for t, k in kinds], lo=flow)
         sol = price.solve(time_limit_s=deadline.solver_limit(), mip_gap=0.0)
         if sol.status != "optimal":
             return None
@@ -192,7 +183,7 @@ def configuration_lp_feasible(
 
 
 def configuration_bound(
-    inst: Instance, *, lower: float, upper: float, time_limit_s: float = 20.0, rel_tol: float = 1e-5,
+    cap: CapacityModel, *, lower: float, upper: float, time_limit_s: float = 20.0, rel_tol: float = 1e-5,
     deadline: Deadline | None = None,
 ) -> float:
     """Bisect the layer-configuration relaxation between a feasible ``lower`` (e.g. an achieved
@@ -200,11 +191,11 @@ def configuration_bound(
     Stops with what it has proven at ``deadline`` or after ``time_limit_s``."""
     deadline = (deadline or Deadline.after(time_limit_s)).within(time_limit_s)
     lo, hi = lower, upper
-    if deadline.expired() or configuration_lp_feasible(inst, hi, deadline=deadline) is not False:
+    if deadline.expired() or configuration_lp_feasible(cap, hi, deadline=deadline) is not False:
         return upper
     while hi - lo > rel_tol * hi and not deadline.expired():
         mid = (lo + hi) / 2
-        res = configuration_lp_feasible(inst, mid, deadline=deadline)
+        res = configuration_lp_feasible(cap, mid, deadline=deadline)
         if res is False:
             hi = mid
         elif res is True:
@@ -214,23 +205,23 @@ def configuration_bound(
     return hi
 
 
-def cheap_bound(inst: Instance) -> Bound:
+def cheap_bound(cap: CapacityModel) -> Bound:
     """min(area, coordinator): proven instantly, no solver."""
-    area = area_bound(inst)
-    coord = coordinator_bound(inst)
+    area = area_bound(cap)
+    coord = coordinator_bound(cap)
     if coord < area:
         return Bound(coord, "coordinator links/NIC")
     return Bound(area, f"area: {NETWORK_FREE_BOUND}")
 
 
 def upper_bound(
-    inst: Instance, *, achieved: float, time_limit_s: float = 20.0, deadline: Deadline | None = None
+    cap: CapacityModel, *, achieved: float, time_limit_s: float = 20.0, deadline: Deadline | None = None
 ) -> Bound:
     """The best bound proven before ``deadline`` (or within ``time_limit_s``): the cheap ones,
     tightened by the layer-configuration LP when there is time."""
-    best = cheap_bound(inst)
+    best = cheap_bound(cap)
     cfg = configuration_bound(
-        inst, lower=min(achieved, best.tok_s), upper=best.tok_s, time_limit_s=time_limit_s, deadline=deadline
+        cap, lower=min(achieved, best.tok_s), upper=best.tok_s, time_limit_s=time_limit_s, deadline=deadline
     )
     if cfg < best.tok_s:
         best = Bound(

@@ -34,7 +34,7 @@ from planner.api import (
     serving_estimate,
 )
 from planner.budget import Clock, Deadline, describe_stop
-from planner.graph import CapacityModel
+from planner.capacity import CapacityModel
 
 
 def _load(path: str) -> tuple[ClusterSpec, ProfileSet]:

@@ -27,29 +27,24 @@ and the simulator routes by it with ``SimConfig.flows = "judge"``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import networkx as nx
 
 from helix.errors import HelixError
 from helix.plan import FLOW_TOLERANCE, FlowEdge
 from planner import graph
 from planner.budget import Deadline
-from planner.graph import (
-    SINK,
-    SOURCE,
-    CapacityModel,
-    Placement,
-    build_graph,
-    check_flows,
-    evaluate,
-    flow_edges,
-)
-from planner.highs_model import Model
+from planner.capacity import CapacityModel
+from planner.graph import SINK, SOURCE, build_graph, check_flows, evaluate, flow_edges
+from planner.solvers import Model
 
 QP_ITERATIONS_PER_COLUMN = 20  # converged cases take ~1 iteration per column
 JUDGE_MIN_SHARE = 0.05  # the paper's scheduler masks a hop with less than this share of its vertex's out-flow
 
 
-def judge_flows(cap: CapacityModel, placement: Placement, *, partial_handoffs: bool = True) -> dict[tuple[str, str], float]:
+def judge_flows(cap: CapacityModel, placement: Mapping[str, tuple[int, int]], *,
+                partial_handoffs: bool = True) -> dict[tuple[str, str], float]:
     """The hops the paper's simulator routes over, with their flows (tok/s): a preflow-push max
     flow of ``placement`` (any plan's own flows ignored), less every hop under
     :data:`JUDGE_MIN_SHARE` of its vertex's out-flow (module docstring)."""
@@ -62,8 +57,8 @@ def judge_flows(cap: CapacityModel, placement: Placement, *, partial_handoffs: b
 
 
 def balanced_flows(
-    cap: CapacityModel, placement: Placement, *, partial_handoffs: bool = True, value: float | None = None,
-    deadline: Deadline | None = None,
+    cap: CapacityModel, placement: Mapping[str, tuple[int, int]], *, partial_handoffs: bool = True,
+    value: float | None = None, deadline: Deadline | None = None,
 ) -> tuple[float, list[FlowEdge]]:
     """(max flow, flows on node/coordinator edges) with the max flow spread evenly (when the
     QP finishes before ``deadline``; else networkx's maximum flow)."""
@@ -75,8 +70,8 @@ def balanced_flows(
 
 
 def balance(
-    cap: CapacityModel, placement: Placement, *, partial_handoffs: bool = True, value: float | None = None,
-    deadline: Deadline | None = None,
+    cap: CapacityModel, placement: Mapping[str, tuple[int, int]], *, partial_handoffs: bool = True,
+    value: float | None = None, deadline: Deadline | None = None,
 ) -> tuple[float, list[FlowEdge]] | None:
     """The balanced flows, or None when the QP does not finish (or the deadline has passed)."""
     g = build_graph(cap, placement, partial_handoffs=partial_handoffs)
@@ -128,7 +123,8 @@ def balance(
     return None
 
 
-def _valid(cap: CapacityModel, placement: Placement, flows: list[FlowEdge], value: float, partial_handoffs: bool) -> bool:
+def _valid(cap: CapacityModel, placement: Mapping[str, tuple[int, int]], flows: list[FlowEdge], value: float,
+           partial_handoffs: bool) -> bool:
     """The flows pass the checks every plan passes (capacities, conservation, the max flow)."""
     try:
         check_flows(cap, placement, flows, partial_handoffs=partial_handoffs)

@@ -12,78 +12,26 @@ holds). Edges, each with capacity = link bandwidth / bytes per token:
 
 If the coordinator has ``nic_gbps``, its NIC caps the total flow in each direction.
 The max flow is the cluster's serving throughput for that placement; the min cut is its
-bottleneck.
+bottleneck. The capacities come from the planning problem (:class:`planner.capacity.CapacityModel`);
+a placement is any mapping of node id -> ``(start, end)`` (a :data:`helix.domain.Placement`, or a
+plan file's ``placement``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import networkx as nx
 
 from helix.plan import FlowEdge, node_inflow
-from helix.profile import ProfileSet, node_max_layers
-from helix.spec import ClusterSpec
 from helix.units import link_tokens_per_s
+from planner.capacity import CapacityModel
 
 SOURCE = "__source__"
 SINK = "__sink__"
 _NIC_OUT = "__nic_out__"
 _NIC_IN = "__nic_in__"
-
-Placement = dict[str, tuple[int, int]]
-
-
-@dataclass(slots=True, frozen=True)
-class CapacityModel:
-    """Everything the graph needs, precomputed once per cluster."""
-
-    coordinator: str
-    num_layers: int
-    node_tok_s: dict[str, list[float]]  # node -> tok_s[k-1]
-    max_layers: dict[str, int]
-    links: dict[tuple[str, str], float]  # (src, dst) -> bandwidth_gbps
-    latency_ms: dict[tuple[str, str], float]
-    token_bytes: int
-    activation_bytes: int
-    nic_gbps: float | None
-
-    @classmethod
-    def build(cls, cluster: ClusterSpec, profiles: ProfileSet) -> CapacityModel:
-        model = profiles.models[cluster.model]
-        node_tok_s: dict[str, list[float]] = {}
-        max_layers: dict[str, int] = {}
-        tables: dict[str, list[float]] = {}
-        for node in cluster.nodes:
-            tp = profiles.throughput(node.gpu, cluster.model)
-            if node.gpu not in tables:
-                tables[node.gpu] = tp.tok_s_table(model)
-            max_layers[node.id] = node_max_layers(node, tp)
-            node_tok_s[node.id] = tables[node.gpu][: max_layers[node.id]]
-        resolved = cluster.resolved_links()
-        return cls(
-            coordinator=cluster.coordinator.id,
-            num_layers=model.num_layers,
-            node_tok_s=node_tok_s,
-            max_layers=max_layers,
-            links={k: v.bandwidth_gbps for k, v in resolved.items()},
-            latency_ms={k: v.latency_ms for k, v in resolved.items()},
-            token_bytes=model.token_bytes,
-            activation_bytes=model.activation_bytes_per_token,
-            nic_gbps=cluster.coordinator.nic_gbps,
-        )
-
-    def node_capacity(self, node: str, layers: int) -> float:
-        return self.node_tok_s[node][layers - 1]
-
-    def token_link_tok_s(self, src: str, dst: str) -> float | None:
-        bw = self.links.get((src, dst))
-        return None if bw is None else link_tokens_per_s(bw, self.token_bytes)
-
-    def activation_link_tok_s(self, src: str, dst: str) -> float | None:
-        bw = self.links.get((src, dst))
-        return None if bw is None else link_tokens_per_s(bw, self.activation_bytes)
 
 
 def hands_off(src_range: tuple[int, int], dst_range: tuple[int, int], partial_handoffs: bool) -> bool:
@@ -95,7 +43,8 @@ def hands_off(src_range: tuple[int, int], dst_range: tuple[int, int], partial_ha
     return e_i == s_j
 
 
-def build_graph(cap: CapacityModel, placement: Placement, *, partial_handoffs: bool = True) -> nx.DiGraph:
+def build_graph(cap: CapacityModel, placement: Mapping[str, tuple[int, int]], *,
+                partial_handoffs: bool = True) -> nx.DiGraph:
     g = nx.DiGraph()
     coord = cap.coordinator
     src_v, sink_v = SOURCE, SINK
@@ -151,7 +100,8 @@ def flow_edges(edge_flows: Iterable[tuple[str, str, float]], coordinator: str, *
 
 
 def evaluate(
-    cap: CapacityModel, placement: Placement, *, partial_handoffs: bool = True, with_cut: bool = True
+    cap: CapacityModel, placement: Mapping[str, tuple[int, int]], *, partial_handoffs: bool = True,
+    with_cut: bool = True,
 ) -> FlowResult:
     """Max flow of a placement, the flow on every node-to-node edge, and the min cut."""
     g = build_graph(cap, placement, partial_handoffs=partial_handoffs)
@@ -161,7 +111,8 @@ def evaluate(
     return FlowResult(max_flow_tok_s=float(value), flows=edges, bottleneck=bottleneck)
 
 
-def max_flow_value(cap: CapacityModel, placement: Placement, *, partial_handoffs: bool = True) -> float:
+def max_flow_value(cap: CapacityModel, placement: Mapping[str, tuple[int, int]], *,
+                   partial_handoffs: bool = True) -> float:
     g = build_graph(cap, placement, partial_handoffs=partial_handoffs)
     return float(nx.maximum_flow_value(g, SOURCE, SINK, flow_func=nx.algorithms.flow.preflow_push))
 
@@ -185,7 +136,8 @@ def min_cut_description(g: nx.DiGraph, cap: CapacityModel) -> list[str]:
     return sorted(out)
 
 
-def check_flows(cap: CapacityModel, placement: Placement, flows: list[FlowEdge], *, partial_handoffs: bool = True) -> None:
+def check_flows(cap: CapacityModel, placement: Mapping[str, tuple[int, int]], flows: list[FlowEdge], *,
+                partial_handoffs: bool = True) -> None:
     """Every flow runs on a valid edge and within its capacity (the plan's capacity invariant)."""
     from helix.errors import ConfigError
 

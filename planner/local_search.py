@@ -5,7 +5,7 @@
 * ``max-flow``: the exact networkx max flow (``planner.graph``); ties broken by the
   network-free layer coverage (fewer layers at the minimum, then more total coverage), which
   gives the search a gradient on the max flow's plateaus. When every link is the same and
-  hand-offs are partial the coverage minimum *is* the max flow (module ``instance``), so the
+  hand-offs are partial the coverage minimum *is* the max flow (``planner.capacity``), so the
   search runs on coverage and the result is re-checked exactly;
 * ``serving``: the serving estimate (``planner.serving_model``) on the exact max-flow
   solution, ties broken by max flow. The estimate is taken twice: routed by the balanced
@@ -29,11 +29,12 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from helix.domain import LayerRange, Placement
 from helix.plan import FlowEdge
 from planner.budget import Deadline
+from planner.capacity import CapacityModel
 from planner.flows import balanced_flows, judge_flows
 from planner.graph import max_flow_value
-from planner.instance import Instance, Placement
 from planner.serving_model import ServingEstimate, ServingModel
 
 Key = tuple[float, ...]
@@ -52,7 +53,7 @@ class Scored:
 
 @dataclass(slots=True)
 class Evaluator:
-    inst: Instance
+    cap: CapacityModel
     objective: str
     partial_handoffs: bool = True
     serving_model: ServingModel | None = None
@@ -63,12 +64,12 @@ class Evaluator:
     judge_flows: bool = True  # serving: score the mean of the estimates under balanced and judge flows
 
     def __post_init__(self) -> None:
-        self.coverage_exact = self.partial_handoffs and self.inst.links_uniform() and self.objective == "max-flow"
+        self.coverage_exact = self.partial_handoffs and self.cap.links_uniform() and self.objective == "max-flow"
 
     def valid(self, pl: Placement) -> bool:
-        cov = [False] * self.inst.num_layers
+        cov = [False] * self.cap.num_layers
         for n, (s, e) in pl.items():
-            if not (0 <= s < e <= self.inst.num_layers) or e - s > self.inst.max_layers(n):
+            if not (0 <= s < e <= self.cap.num_layers) or e - s > self.cap.max_layers[n]:
                 return False
             for layer in range(s, e):
                 cov[layer] = True
@@ -80,15 +81,15 @@ class Evaluator:
         if hit is not None:
             return hit
         self.evaluations += 1
-        cov = self.inst.coverage(pl)
+        cov = self.cap.coverage(pl)
         low = min(cov)
         tight = sum(1 for c in cov if c <= low * (1 + 1e-9))
         soft = sum(min(c, 2 * low) for c in cov)
         if self.objective == "max-flow":
-            mf = low if self.coverage_exact else max_flow_value(self.inst.cap, pl, partial_handoffs=self.partial_handoffs)
+            mf = low if self.coverage_exact else max_flow_value(self.cap, pl, partial_handoffs=self.partial_handoffs)
             out = Scored(dict(pl), (round(mf, 6), -tight, soft), mf)
         else:
-            value, edges = balanced_flows(self.inst.cap, pl, partial_handoffs=self.partial_handoffs,
+            value, edges = balanced_flows(self.cap, pl, partial_handoffs=self.partial_handoffs,
                                           deadline=self.deadline)
             flows = {(e.src, e.dst): e.tok_s for e in edges}
             assert self.serving_model is not None
@@ -96,7 +97,7 @@ class Evaluator:
             judged = None
             decode = est.decode_tok_s
             if self.judge_flows:  # half our router, half a max-flow router (the judge's)
-                routed = judge_flows(self.inst.cap, pl, partial_handoffs=self.partial_handoffs)
+                routed = judge_flows(self.cap, pl, partial_handoffs=self.partial_handoffs)
                 judged = self.serving_model.estimate(pl, routed, value, deadline=self.deadline)
                 decode = 0.5 * (decode + judged.decode_tok_s)
             out = Scored(dict(pl), (round(decode, 3), round(est.decode_tok_s, 3), round(value, 6), -tight), value, est,
@@ -107,21 +108,21 @@ class Evaluator:
         return out
 
     def exact_max_flow(self, pl: Placement) -> float:
-        return max_flow_value(self.inst.cap, pl, partial_handoffs=self.partial_handoffs)
+        return max_flow_value(self.cap, pl, partial_handoffs=self.partial_handoffs)
 
 
-def _moves(inst: Instance, pl: Placement, node: str, rng: random.Random, others: list[str]) -> list[tuple[int, int]]:
+def _moves(cap: CapacityModel, pl: Placement, node: str, rng: random.Random, others: list[str]) -> list[LayerRange]:
     s, e = pl[node]
-    k, top, L = e - s, inst.max_layers(node), inst.num_layers
+    k, top, L = e - s, cap.max_layers[node], cap.num_layers
     out = [(s - 1, e - 1), (s + 1, e + 1), (s - 1, e), (s, e + 1), (s + 1, e), (s, e - 1), (s - 2, e - 2), (s + 2, e + 2)]
     for other in rng.sample(others, min(4, len(others))):
         out.append(pl[other])
     out.append((max(0, s - (top - k) // 2), min(L, max(0, s - (top - k) // 2) + top)))
-    return [(a, b) for a, b in out if 0 <= a < b <= L and b - a <= top and (a, b) != (s, e)]
+    return [LayerRange(a, b) for a, b in out if 0 <= a < b <= L and b - a <= top and (a, b) != (s, e)]
 
 
-def _bottleneck_moves(inst: Instance, pl: Placement, rng: random.Random) -> list[tuple[str, tuple[int, int]]]:
-    cov = inst.coverage(pl)
+def _bottleneck_moves(cap: CapacityModel, pl: Placement, rng: random.Random) -> list[tuple[str, LayerRange]]:
+    cov = cap.coverage(pl)
     low = min(cov)
     layers = [i for i, c in enumerate(cov) if c <= low * (1 + 1e-9)]
     layer = rng.choice(layers)
@@ -131,17 +132,17 @@ def _bottleneck_moves(inst: Instance, pl: Placement, rng: random.Random) -> list
         if s <= layer < e:
             continue
         k = e - s
-        for kk in {k, max(1, k - 1), min(inst.max_layers(node), k + 1)}:
-            a = min(max(0, layer - rng.randrange(kk)), inst.num_layers - kk)
-            out.append((node, (a, a + kk)))
+        for kk in {k, max(1, k - 1), min(cap.max_layers[node], k + 1)}:
+            a = min(max(0, layer - rng.randrange(kk)), cap.num_layers - kk)
+            out.append((node, LayerRange(a, a + kk)))
     return out
 
 
-def group_moves(inst: Instance, pl: Placement) -> list[Placement]:
+def group_moves(cap: CapacityModel, pl: Placement) -> list[Placement]:
     """Moves of whole groups (the nodes that hold one range): every boundary between two adjacent ranges
     shifted by one layer (all holders of both ranges follow), and one node of each GPU type in a group
     moved to another group's range. Neighbours a stage plan's local search reaches only in several steps."""
-    groups: dict[tuple[int, int], list[str]] = {}
+    groups: dict[LayerRange, list[str]] = {}
     for node, rng_ in sorted(pl.items()):
         groups.setdefault(rng_, []).append(node)
     out: list[Placement] = []
@@ -151,35 +152,35 @@ def group_moves(inst: Instance, pl: Placement) -> list[Placement]:
                 continue
             for d in (-1, 1):
                 m = b + d
-                if not (a < m < c) or any(m - a > inst.max_layers(n) for n in left) or any(
-                        c - m > inst.max_layers(n) for n in right):
+                if not (a < m < c) or any(m - a > cap.max_layers[n] for n in left) or any(
+                        c - m > cap.max_layers[n] for n in right):
                     continue
                 moved = dict(pl)
-                moved.update({n: (a, m) for n in left})
-                moved.update({n: (m, c) for n in right})
+                moved.update({n: LayerRange(a, m) for n in left})
+                moved.update({n: LayerRange(m, c) for n in right})
                 out.append(moved)
     for src, members in groups.items():
         if len(members) < 2:
             continue  # moving a group's only node away uncovers its layers
-        firsts = {inst.gpu_of[n]: n for n in reversed(members)}
+        firsts = {cap.kind_of[n]: n for n in reversed(members)}
         for node in firsts.values():
             for dst in groups:
-                if dst != src and dst[1] - dst[0] <= inst.max_layers(node):
+                if dst != src and dst[1] - dst[0] <= cap.max_layers[node]:
                     moved = dict(pl)
                     moved[node] = dst
                     out.append(moved)
     return out
 
 
-def neighbourhood(inst: Instance, pl: Placement, rng: random.Random, *, nodes: int = 6) -> list[Placement]:
+def neighbourhood(cap: CapacityModel, pl: Placement, rng: random.Random, *, nodes: int = 6) -> list[Placement]:
     """A placement's neighbours, distinct and different from it: :func:`group_moves`, then the local
     search's own moves (bottleneck moves, shifts, grow/shrink, copies) of ``nodes`` random nodes."""
-    out = group_moves(inst, pl)
+    out = group_moves(cap, pl)
     names = sorted(pl)
-    for node, r in _bottleneck_moves(inst, pl, rng):
+    for node, r in _bottleneck_moves(cap, pl, rng):
         out.append({**pl, node: r})
     for node in rng.sample(names, min(nodes, len(names))):
-        out.extend({**pl, node: r} for r in _moves(inst, pl, node, rng, [n for n in names if n != node]))
+        out.extend({**pl, node: r} for r in _moves(cap, pl, node, rng, [n for n in names if n != node]))
     seen = {frozenset(pl.items())}
     unique = []
     for cand in out:
@@ -204,7 +205,7 @@ def improve(
     time, or its ``stop`` test: a stalled search), ``target`` is reached or after
     ``max_evaluations``."""
     rng = random.Random(seed)
-    inst = ev.inst
+    cap = ev.cap
     prune = ev.objective == "max-flow" and not ev.coverage_exact
     cur = ev.score(start)
     best = cur
@@ -217,18 +218,18 @@ def improve(
         if max_evaluations is not None and ev.evaluations - budget_start >= max_evaluations:
             break
         improved = False
-        cand: list[tuple[str, tuple[int, int]]] = _bottleneck_moves(inst, cur.placement, rng)
+        cand: list[tuple[str, LayerRange]] = _bottleneck_moves(cap, cur.placement, rng)
         for node in rng.sample(nodes, min(6, len(nodes))):
             others = [n for n in nodes if n != node]
-            cand.extend((node, r) for r in _moves(inst, cur.placement, node, rng, others))
+            cand.extend((node, r) for r in _moves(cap, cur.placement, node, rng, others))
         swap: Placement | None = None  # exchange two nodes' ranges (the "" candidate)
         if len(nodes) > 1 and rng.random() < 0.5:
             a, b = rng.sample(nodes, 2)
             ra, rb = cur.placement[a], cur.placement[b]
-            if rb[1] - rb[0] <= inst.max_layers(a) and ra[1] - ra[0] <= inst.max_layers(b):
+            if rb[1] - rb[0] <= cap.max_layers[a] and ra[1] - ra[0] <= cap.max_layers[b]:
                 swap = dict(cur.placement)
                 swap[a], swap[b] = rb, ra
-                cand.append(("", (0, 0)))
+                cand.append(("", LayerRange(0, 0)))
         for node, rng_ in cand:
             if deadline.expired():
                 break
@@ -240,7 +241,7 @@ def improve(
                 pl[node] = rng_
             if not ev.valid(pl):
                 continue
-            if prune and min(inst.coverage(pl)) < cur.max_flow * (1 - 1e-12):
+            if prune and min(cap.coverage(pl)) < cur.max_flow * (1 - 1e-12):
                 continue  # min coverage bounds the max flow: this move cannot raise it
             sc = ev.score(pl)
             if sc.key > cur.key and (ev.objective != "serving" or sc.key[0] > cur.key[0] * (1 + SERVING_MIN_GAIN)):
@@ -259,7 +260,7 @@ def improve(
             stall = 0
             pl = dict(best.placement)
             for node in rng.sample(nodes, min(3, len(nodes))):
-                opts = _moves(inst, pl, node, rng, [n for n in nodes if n != node])
+                opts = _moves(cap, pl, node, rng, [n for n in nodes if n != node])
                 if opts:
                     trial = dict(pl)
                     trial[node] = rng.choice(opts)

@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections import defaultdict
 from functools import cache
 
+from helix.domain import Placement
 from helix.plan import FlowEdge
 from helix.profile import ProfileSet
 from helix.spec import ClusterSpec
-from planner.graph import Placement
 
 
 def pipeline_depths(flows: list[FlowEdge], coordinator: str) -> dict[str, float]:

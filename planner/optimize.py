@@ -27,23 +27,25 @@ The search stops early when the incumbent meets the proven bound (max-flow objec
 has not improved for the stall window (``planner.budget``); ``stats["stop_reason"]`` says
 which (``bound_met`` / ``stalled`` / ``time_limit``).
 
+``optimize`` runs these phases in order (``construct``, ``_prove_bound``, ``_polish``,
+``_refine_by_simulation``, ``_finish``); the candidates and the construction live in
+``planner.candidates``.
+
 Status: ``optimal`` when the max-flow incumbent meets the proven bound (within 1e-4;
-``max_flow_optimal`` under the serving objective), ``bound_gap`` when within
-``stop_at_bound_gap``, else ``feasible``.
+``max_flow_optimal`` under the serving objective), else ``feasible``.
 """
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
+from helix.domain import Placement
 from helix.errors import InfeasiblePlanError
 from helix.plan import FlowEdge
 from helix.profile import ProfileSet
 from helix.spec import ClusterSpec
-from planner import bounds, stages
+from planner import bounds
 from planner.budget import (
     BOUND_MET,
     BOUND_REL_TOL,
@@ -55,27 +57,27 @@ from planner.budget import (
     StallWatch,
     stall_window_s,
 )
+from planner.candidates import CandidatePool, Report, construct, warm_placements
+from planner.capacity import CapacityModel
 from planner.flows import balance
 from planner.graph import evaluate
-from planner.highs_model import highs_version
-from planner.instance import Instance, Placement
 from planner.local_search import SERVING_MIN_GAIN, Evaluator, Scored, improve
-from planner.progress import Progress
+from planner.options import Objective, PlannerOptions
+from planner.progress import Progress, ProgressFn
 from planner.serving_model import ServingModel, Workload
 from planner.simulated import Refined, Refinement, RunSimulation, SimScorer, Simulated, refine, simulable
+from planner.solvers import highs_version
 
 OPTIMAL_TOL = BOUND_REL_TOL
 FINISH_SHARE = 0.1  # of the time limit, kept for the final exact check and balanced flows ...
 FINISH_MAX_S = 3.0  # ... but never more than this
-CONSTRUCTION_SHARE = 0.15  # the stage-plan bisection's share of the limit (at least 0.5 s)
-SCORING_SHARE = 0.5  # construction stops scoring candidates after this share of the limit (at least 0.5 s)
 BOUND_SHARE = 0.1  # the layer-configuration bound's share of the limit (at least 0.5 s)
 SIMULATE_SHARE = 0.4  # the simulated refinement's share of the limit (the search before it stops earlier)
 
 
 @dataclass(slots=True)
 class OptimizeResult:
-    placement: dict[str, tuple[int, int]]
+    placement: Placement
     max_flow_tok_s: float
     upper_bound_tok_s: float
     bound_method: str
@@ -87,179 +89,106 @@ class OptimizeResult:
     stop_reason: str = TIME_LIMIT
 
 
-Report = Callable[[Scored | None, float | None, str], None]
-
-
-def _reporter(on_progress: Callable[..., None] | None, t0: float, clock: Clock) -> Report:
-    """``report(incumbent, bound, phase)`` -> the caller's callback (a :class:`Progress`, or
-    ``(incumbent, bound, elapsed)`` for a three-argument callback)."""
-    if on_progress is None:
-        return lambda inc, bnd, msg: None
-    try:
-        params = [
-            p for p in inspect.signature(on_progress).parameters.values()
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-        ]
-        three = len(params) >= 3
-    except (TypeError, ValueError):
-        three = False
-
-    def report(inc: Scored | None, bnd: float | None, msg: str) -> None:
-        el = clock() - t0
-        mf = inc.max_flow if inc is not None else None
-        if three:
-            on_progress(mf, bnd, el)
-        else:
-            est = inc.serving.decode_tok_s if inc is not None and inc.serving is not None else None
-            on_progress(Progress(mf, bnd, el, msg, serving_tok_s=est))
-
-    return report
-
-
-def _warm_list(warm_start: Any) -> list[Placement]:
-    if warm_start is None:
-        return []
-    if isinstance(warm_start, dict):
-        warm_start = [warm_start]
-    return [{n: (int(r[0]), int(r[1])) for n, r in w.items()} for w in warm_start if w]
-
-
-def stage_candidates(inst: Instance, *, deadline: Deadline, lo: float, hi: float, serving: bool) -> list[Placement]:
-    """Stage plans: the best-flow one (fewest nodes per stage, leftovers reinforcing), and for
-    the serving objective also the fewest-stage plans at a ladder of lower targets."""
-    out: list[Placement] = []
-    best = stages.best_stage_plan(inst, lo=lo, hi=hi, deadline=deadline)
-    if best is None:
-        return out
-    f_best, plan = best
-    out.append(stages.to_placement(inst, plan))
-    if serving and not deadline.expired():  # the best stage plan of every depth, shallowest first
-        shallow = stages.solve_stages(inst, 1e-6, minimize="stages", time_limit_s=deadline.solver_limit(2.0))
-        depth_lo = len(shallow) if shallow else 1
-        for depth in range(depth_lo, len(plan)):
-            if deadline.expired():
-                break
-            got = stages.best_stage_plan(inst, lo=0.0, hi=f_best, deadline=deadline, max_stages=depth, rel_tol=1e-3)
-            if got:
-                out.append(stages.to_placement(inst, got[1]))
-    return out
-
-
-class _Pool:
-    """The scored candidates and the incumbent; every new best is reported at once."""
-
-    def __init__(self, ev: Evaluator, report: Report, nodes: set[str]) -> None:
-        self.ev, self.report, self.nodes = ev, report, nodes
-        self.scored: dict[frozenset[tuple[str, tuple[int, int]]], Scored] = {}
-        self.best: Scored | None = None
-        self.bound: float | None = None
-
-    def add(self, placement: Placement, phase: str) -> None:
-        if not (set(placement) <= self.nodes and self.ev.valid(placement)):
-            return
-        self.offer(self.ev.score(placement), phase)
-
-    def offer(self, s: Scored, phase: str) -> bool:
-        self.scored.setdefault(frozenset(s.placement.items()), s)
-        if self.best is None or s.key > self.best.key:
-            self.best = s
-            self.report(s, self.bound, phase)
-            return True
-        return False
-
-    def top(self, n: int) -> list[Scored]:
-        return sorted(self.scored.values(), key=lambda s: s.key, reverse=True)[:n]
-
-
 def optimize(
     cluster: ClusterSpec,
     profiles: ProfileSet,
+    options: PlannerOptions | None = None,
     *,
-    objective: Literal["serving", "max-flow"] = "serving",
-    time_limit_s: float = 60.0,
-    threads: int = 2,
-    partial_handoffs: bool = True,
-    prune_links: float | None = None,
     warm_start: Placement | list[Placement] | None = None,
-    stop_at_bound_gap: float | None = None,
-    seed: int = 0,
-    on_progress: Callable[..., None] | None = None,
+    on_progress: ProgressFn | None = None,
     workload: Workload | None = None,
     deadline: Deadline | None = None,
-    stall_s: float | None = None,
-    simulate: bool | Refinement = True,
     simulator: RunSimulation | None = None,
 ) -> OptimizeResult:
-    """Search a placement of ``cluster`` for ``objective`` by ``deadline`` (default: within
-    ``time_limit_s`` seconds from now); stop earlier when the bound is met or the search has
-    not improved for ``stall_s`` seconds (default :func:`planner.budget.stall_window_s`).
-    ``simulate`` (objective ``serving``): end with the simulated refinement (``planner.simulated``;
+    """Search a placement of ``cluster`` for ``options.objective`` by ``deadline`` (default: within
+    ``options.time_limit_s`` seconds from now); stop earlier when the bound is met or the search has
+    not improved for ``options.stall_s`` seconds (default :func:`planner.budget.stall_window_s`).
+    ``options.simulate`` (objective ``serving``): end with the simulated refinement (``planner.simulated``;
     a :class:`~planner.simulated.Refinement` sets its window, seed, candidates and patience) when a
     ``simulator`` is given (``simulator.short_run.run_short``) and the cluster's GPUs have latency curves."""
-    deadline = deadline if deadline is not None else Deadline.after(time_limit_s)
+    options = options or PlannerOptions()
+    deadline = deadline if deadline is not None else Deadline.after(options.time_limit_s)
     clock = deadline.clock
     t0 = clock()
     limit = max(deadline.remaining(), 1e-3)
     search = deadline.within(limit - min(FINISH_MAX_S, max(0.05, FINISH_SHARE * limit)))
     report = _reporter(on_progress, t0, clock)
-    inst = Instance.build(cluster, profiles)
-    if prune_links:
-        inst = inst.pruned(prune_links)
-    if sum(inst.max_layers(n) for n in inst.nodes) < inst.num_layers:
-        raise InfeasiblePlanError(f"the nodes together hold fewer than the model's {inst.num_layers} layers")
-    serving = objective == "serving"
-    sm = ServingModel(inst, workload) if serving else None
-    ev = Evaluator(inst, objective, partial_handoffs=partial_handoffs, serving_model=sm, deadline=search)
-    flow_ev = Evaluator(inst, "max-flow", partial_handoffs=partial_handoffs)
-    pool = _Pool(ev, report, set(inst.nodes))
-    coarse = bounds.cheap_bound(inst)
+    cap = CapacityModel.build(cluster, profiles)
+    if options.prune_links:
+        cap = cap.pruned(options.prune_links)
+    if sum(cap.max_layers[n] for n in cap.nodes) < cap.num_layers:
+        raise InfeasiblePlanError(f"the nodes together hold fewer than the model's {cap.num_layers} layers")
+    serving = options.objective == Objective.SERVING
+    sm = ServingModel(cap, workload) if serving else None
+    ev = Evaluator(cap, options.objective.value, partial_handoffs=options.partial_handoffs, serving_model=sm,
+                   deadline=search)
+    flow_ev = Evaluator(cap, Objective.MAX_FLOW.value, partial_handoffs=options.partial_handoffs)
+    pool = CandidatePool(ev, report, set(cap.nodes))
+    coarse = bounds.cheap_bound(cap)
     pool.bound = coarse.tok_s
     report(None, coarse.tok_s, "construction")
-
-    # 1. candidates: the warm starts first (an incumbent at once), then stage plans (whole
-    #    cluster and, for geo clusters, region by region); at least one is always scored
-    for w in _warm_list(warm_start):
-        if pool.best is not None and search.expired():
-            break
-        pool.add(w, "warm start / baselines")
-    scoring = search.within(max(0.5, SCORING_SHARE * limit))  # leave the rest to the bound and search
-    if not scoring.expired():
-        construct = search.within(max(0.5, CONSTRUCTION_SHARE * limit))
-        for c in stage_candidates(inst, deadline=construct, lo=0.0, hi=coarse.tok_s * (1 + 1e-6), serving=serving):
-            if scoring.expired():
-                break
-            pool.add(c, "construction: stage plans")
-    regions = inst.regions()
-    if len(regions) > 1 and not inst.links_uniform() and not scoring.expired():
-        per_region = _per_region_candidate(inst, search.within(0.05 * limit), coarse.tok_s)
-        if per_region:
-            pool.add(per_region, "construction: per-region stage plans")
-    if pool.best is None:
-        for w in _warm_list(warm_start):  # nothing scored yet: the deadline came first
-            pool.add(w, "warm start / baselines")
-            if pool.best is not None:
-                break
-    if pool.best is None:
-        raise InfeasiblePlanError("no candidate placement covers every layer")
-
-    # 2. the proven bound, bisected up from the best max flow found so far
-    achieved = max(s.max_flow for s in pool.scored.values())
-    bound = bounds.upper_bound(inst, achieved=achieved, deadline=search.within(max(0.5, BOUND_SHARE * limit)))
-    pool.bound = bound.tok_s
+    construct(pool, cap, warm_placements(warm_start), search=search, limit=limit, coarse=coarse.tok_s, serving=serving)
+    bound = _prove_bound(pool, cap, search.within(max(0.5, BOUND_SHARE * limit)))
+    refining = serving and options.simulate is not False and simulator is not None and simulable(cluster, profiles)
+    window_s, stalled = _polish(pool, ev, bound, options, search, limit, refining=refining)
     best = pool.best
-    report(best, bound.tok_s, "bound")
+    assert best is not None
+    stats: dict[str, Any] = {"candidates": len(pool.scored), "stall_window_s": window_s}
+    refined = None
+    if refining and simulator is not None and not search.expired():
+        settings = options.simulate if isinstance(options.simulate, Refinement) else Refinement()
+        refined = _refine_by_simulation(cluster, profiles, ev, pool, search, settings, simulator, seed=options.seed,
+                                        partial_handoffs=options.partial_handoffs, report=report)
+        if refined is not None:
+            best = refined.best
+            stalled = refined.stop_reason != "time_limit"
+            stats.update(simulations=refined.simulations, simulated_stop=refined.stop_reason,
+                         model_choice_simulated_tok_s=round(refined.model_choice.score, 1))
+    return _finish(cap, best, bound, options=options, stalled=stalled, deadline=deadline, t0=t0, flow_ev=flow_ev,
+                   ev=ev, sm=sm, report=report, stats=stats,
+                   simulated=refined.simulated if refined is not None else None)
 
-    # 3. polish: local search from the best candidates, exact evaluation of every move, until
-    #    the bound is met, the search stalls or the time is up
+
+def _reporter(on_progress: ProgressFn | None, t0: float, clock: Clock) -> Report:
+    """``report(incumbent, bound, phase)`` -> the caller's callback, as a :class:`Progress`."""
+    if on_progress is None:
+        return lambda inc, bnd, msg: None
+
+    def report(inc: Scored | None, bnd: float | None, msg: str) -> None:
+        mf = inc.max_flow if inc is not None else None
+        est = inc.serving.decode_tok_s if inc is not None and inc.serving is not None else None
+        on_progress(Progress(mf, bnd, clock() - t0, msg, serving_tok_s=est))
+
+    return report
+
+
+def _prove_bound(pool: CandidatePool, cap: CapacityModel, deadline: Deadline) -> bounds.Bound:
+    """The proven bound, bisected up from the best max flow found so far."""
+    achieved = max(s.max_flow for s in pool.scored.values())
+    bound = bounds.upper_bound(cap, achieved=achieved, deadline=deadline)
+    pool.bound = bound.tok_s
+    pool.report(pool.best, bound.tok_s, "bound")
+    return bound
+
+
+def _polish(pool: CandidatePool, ev: Evaluator, bound: bounds.Bound, options: PlannerOptions, search: Deadline,
+            limit: float, *, refining: bool) -> tuple[float | None, bool]:
+    """Local search from the best candidates, exact evaluation of every move, until the bound is met,
+    the search stalls or its time is up (all but :data:`SIMULATE_SHARE` of the limit when the simulated
+    refinement follows). Returns the stall window and whether the search stalled."""
+    best = pool.best
+    assert best is not None
+    serving = options.objective == Objective.SERVING
     target = None
-    if not serving and stop_at_bound_gap is not None:
-        target = bound.tok_s / (1 + stop_at_bound_gap) - 1e-9
+    if not serving and options.stop_at_bound:
+        target = bound.tok_s / (1 + 0.0) - 1e-9
     if not serving and best.max_flow >= bound.tok_s * (1 - OPTIMAL_TOL):
         target = best.key[0]
-    refining = serving and simulate is not False and simulator is not None and simulable(cluster, profiles)
     # with the simulated refinement after it, the model's search stops after STALL_MIN_S without a gain
     # unless told otherwise: a simulated candidate is worth more than more of the model's search
-    watch = StallWatch(clock, stall_window_s(limit, stall_s) if stall_s is not None or not refining else STALL_MIN_S)
+    stall_s = options.stall_s
+    watch = StallWatch(search.clock, stall_window_s(limit, stall_s) if stall_s is not None or not refining
+                       else STALL_MIN_S)  # fmt: skip
     stalled = {"yes": False}
 
     def stop() -> bool:
@@ -276,10 +205,11 @@ def optimize(
 
     reserve = SIMULATE_SHARE * limit if refining else 0.0
     polish = search.within(max(0.0, search.remaining() - reserve), stop=stop)
+    seed = options.seed
     if not serving and not ev.coverage_exact and (target is None or best.key[0] < target) and not polish.expired():
         # links may bind: first search the network-free relaxation (microseconds per move),
         # then keep its result only if the exact max flow agrees that it is better
-        relaxed = Evaluator(inst, "max-flow", partial_handoffs=partial_handoffs)
+        relaxed = Evaluator(ev.cap, Objective.MAX_FLOW.value, partial_handoffs=options.partial_handoffs)
         relaxed.coverage_exact = True
         got = improve(relaxed, best.placement, deadline=polish.share(0.4), seed=seed, target=target,
                       on_improve=lambda s: watch.improved())
@@ -295,37 +225,7 @@ def optimize(
         got = improve(ev, st.placement, deadline=polish.share(1.0 / (len(starts) - i)), seed=seed + i,
                       target=target, on_improve=on_improve)
         pool.offer(got, "local search")
-    best = pool.best
-    assert best is not None
-    stats: dict[str, Any] = {"candidates": len(pool.scored), "stall_window_s": watch.window_s}
-    refined = None
-    if refining and simulator is not None and not search.expired():
-        settings = simulate if isinstance(simulate, Refinement) else Refinement()
-        refined = _refine(cluster, profiles, inst, ev, pool, search, settings, simulator, seed=seed,
-                          partial_handoffs=partial_handoffs, report=report)
-        if refined is not None:
-            best = refined.best
-            stalled["yes"] = refined.stop_reason != "time_limit"
-            stats.update(simulations=refined.simulations, simulated_stop=refined.stop_reason,
-                         model_choice_simulated_tok_s=round(refined.model_choice.score, 1))
-    return _finish(inst, best, bound, objective=objective, stop_at_bound_gap=stop_at_bound_gap,
-                   stalled=stalled["yes"], deadline=deadline, t0=t0, flow_ev=flow_ev, ev=ev, sm=sm, report=report,
-                   stats=stats, simulated=refined.simulated if refined is not None else None)
-
-
-def _refine(cluster: ClusterSpec, profiles: ProfileSet, inst: Instance, ev: Evaluator, pool: _Pool,
-            deadline: Deadline, settings: Refinement, simulator: RunSimulation, *, seed: int,
-            partial_handoffs: bool, report: Report) -> Refined | None:
-    """The simulated refinement (``planner.simulated.refine``) of the pool's best placements."""
-    scorer = SimScorer(cluster, profiles, inst, simulator, partial_handoffs=partial_handoffs, warmup_s=settings.warmup_s,
-                       measure_s=settings.measure_s, seed=settings.seed)
-
-    def say(s: Scored, sim: Simulated, phase: str) -> None:
-        report(s, pool.bound, f"{phase}: simulated {sim.decode_tok_s:.1f} / {sim.judge_decode_tok_s:.1f} decode "
-                              "tok/s (plan / judge flows)")
-
-    return refine(ev, pool.top(settings.top), scorer, deadline=deadline, seed=seed, patience=settings.patience,
-                  report=say)
+    return watch.window_s, stalled["yes"]
 
 
 def _progress(before: Scored, after: Scored, serving: bool) -> bool:
@@ -337,78 +237,46 @@ def _progress(before: Scored, after: Scored, serving: bool) -> bool:
     return after.key[0] > before.key[0] * (1 + SERVING_MIN_GAIN)
 
 
-def _per_region_candidate(inst: Instance, deadline: Deadline, coarse: float) -> Placement | None:
-    """Stage plans region by region (geo clusters), joined into one placement."""
-    per_region: Placement = {}
-    for r in inst.regions():
-        if deadline.expired():
-            break
-        sub = inst.subset([n for n in inst.nodes if inst.region_of[n] == r])
-        if sum(sub.max_layers(n) for n in sub.nodes) < inst.num_layers:
-            continue
-        sub_hi = min(coarse, bounds.area_bound(sub))
-        region_plans = stage_candidates(sub, deadline=deadline, lo=0.0, hi=sub_hi, serving=False)
-        if region_plans:
-            per_region.update(region_plans[0])
-    if not per_region:
-        return None
-    for n in inst.nodes:  # nodes of regions that cannot hold the model: copy a neighbour range
-        if n not in per_region:
-            per_region[n] = (0, min(inst.max_layers(n), inst.num_layers))
-    return per_region
+def _refine_by_simulation(cluster: ClusterSpec, profiles: ProfileSet, ev: Evaluator, pool: CandidatePool,
+                          deadline: Deadline, settings: Refinement, simulator: RunSimulation, *, seed: int,
+                          partial_handoffs: bool, report: Report) -> Refined | None:
+    """The simulated refinement (``planner.simulated.refine``) of the pool's best placements."""
+    scorer = SimScorer(cluster, profiles, ev.cap, simulator, partial_handoffs=partial_handoffs,
+                       warmup_s=settings.warmup_s, measure_s=settings.measure_s, seed=settings.seed)
+
+    def say(s: Scored, sim: Simulated, phase: str) -> None:
+        report(s, pool.bound, f"{phase}: simulated {sim.decode_tok_s:.1f} / {sim.judge_decode_tok_s:.1f} decode "
+                              "tok/s (plan / judge flows)")
+
+    return refine(ev, pool.top(settings.top), scorer, deadline=deadline, seed=seed, patience=settings.patience,
+                  report=say)
 
 
 def _finish(
-    inst: Instance, best: Scored, bound: bounds.Bound, *, objective: str, stop_at_bound_gap: float | None,
-    stalled: bool, deadline: Deadline, t0: float, flow_ev: Evaluator, ev: Evaluator, sm: ServingModel | None,
-    report: Report, stats: dict[str, Any], simulated: Simulated | None = None,
+    cap: CapacityModel, best: Scored, bound: bounds.Bound, *, options: PlannerOptions, stalled: bool,
+    deadline: Deadline, t0: float, flow_ev: Evaluator, ev: Evaluator, sm: ServingModel | None, report: Report,
+    stats: dict[str, Any], simulated: Simulated | None = None,
 ) -> OptimizeResult:
-    """Exact check, status, stop reason and the plan's flows (balanced when there is time)."""
+    """Exact check, status, stop reason, score and the plan's flows (balanced when there is time)."""
     mf = flow_ev.exact_max_flow(best.placement)
-    serving = objective == "serving"
-    at_bound = mf >= bound.tok_s * (1 - OPTIMAL_TOL)
-    if at_bound:
+    serving = options.objective == Objective.SERVING
+    if mf >= bound.tok_s * (1 - OPTIMAL_TOL):
         status = "optimal" if not serving else "max_flow_optimal"
-    elif stop_at_bound_gap is not None and mf * (1 + stop_at_bound_gap) >= bound.tok_s:
-        status = "bound_gap"
     else:
         status = "feasible"
-    if not serving and status in ("optimal", "bound_gap"):
+    if not serving and status == "optimal":
         stop_reason = BOUND_MET
     elif stalled:
         stop_reason = STALLED
     else:
         stop_reason = TIME_LIMIT
-    score: dict[str, float] = {"max_flow_tok_s": mf}
-    if sm is not None:
-        est = best.serving if best.serving is not None else ev.score(best.placement).serving
-        if est is not None:
-            score.update(
-                decode_tok_s=est.decode_tok_s,
-                requests_in_flight=est.requests_in_flight,
-                round_trip_ms=est.mean_round_trip_ms,
-                mean_hops=est.mean_hops,
-            )
-        judged = best.judged if best.serving is not None else ev.score(best.placement).judged
-        if judged is not None:
-            score["judge_decode_tok_s"] = judged.decode_tok_s
-    if simulated is not None:
-        score.update(simulated_decode_tok_s=simulated.decode_tok_s,
-                     simulated_judge_decode_tok_s=simulated.judge_decode_tok_s,
-                     simulated_prompt_p50_s=simulated.prompt_p50_s, simulated_decode_p50_s=simulated.decode_p50_s)
-    flows = best.flows
-    if flows is None or abs(sum(e.tok_s for e in flows if e.src == inst.coordinator) - mf) > 1e-6 * max(1.0, mf):
-        got = balance(inst.cap, best.placement, partial_handoffs=flow_ev.partial_handoffs, value=mf, deadline=deadline)
-        balanced = got is not None
-        flows = got[1] if got is not None else evaluate(
-            inst.cap, best.placement, partial_handoffs=flow_ev.partial_handoffs, with_cut=False).flows
-    else:
-        balanced = True
+    score = _score(best, mf, ev, simulated) if sm is not None else {"max_flow_tok_s": mf}
+    flows, balanced = _plan_flows(cap, best, mf, partial_handoffs=flow_ev.partial_handoffs, deadline=deadline)
     report(best, bound.tok_s, f"done ({stop_reason})")
     stats.update({
-        "objective": objective,
+        "objective": options.objective.value,
         "evaluations": ev.evaluations + flow_ev.evaluations,
-        "coverage_min_tok_s": inst.coverage_min(best.placement),
+        "coverage_min_tok_s": cap.coverage_min(best.placement),
         "wall_s": round(deadline.clock() - t0, 3),
         "serving_binding": best.serving.binding if best.serving is not None else None,
         "stop_reason": stop_reason,
@@ -426,3 +294,38 @@ def _finish(
         stats=stats,
         stop_reason=stop_reason,
     )
+
+
+def _score(best: Scored, mf: float, ev: Evaluator, simulated: Simulated | None) -> dict[str, float]:
+    """The serving objective's score of the chosen placement: the model's estimates (and the
+    simulated refinement's figures when it ran)."""
+    score: dict[str, float] = {"max_flow_tok_s": mf}
+    est = best.serving if best.serving is not None else ev.score(best.placement).serving
+    if est is not None:
+        score.update(
+            decode_tok_s=est.decode_tok_s,
+            requests_in_flight=est.requests_in_flight,
+            round_trip_ms=est.mean_round_trip_ms,
+            mean_hops=est.mean_hops,
+        )
+    judged = best.judged if best.serving is not None else ev.score(best.placement).judged
+    if judged is not None:
+        score["judge_decode_tok_s"] = judged.decode_tok_s
+    if simulated is not None:
+        score.update(simulated_decode_tok_s=simulated.decode_tok_s,
+                     simulated_judge_decode_tok_s=simulated.judge_decode_tok_s,
+                     simulated_prompt_p50_s=simulated.prompt_p50_s, simulated_decode_p50_s=simulated.decode_p50_s)
+    return score
+
+
+def _plan_flows(cap: CapacityModel, best: Scored, mf: float, *, partial_handoffs: bool,
+                deadline: Deadline) -> tuple[list[FlowEdge], bool]:
+    """The plan's flows: the search's balanced ones when they carry the max flow, else balanced now
+    (when the QP finishes in time), else networkx's; and whether they are balanced."""
+    flows = best.flows
+    if flows is not None and abs(sum(e.tok_s for e in flows if e.src == cap.coordinator) - mf) <= 1e-6 * max(1.0, mf):
+        return flows, True
+    got = balance(cap, best.placement, partial_handoffs=partial_handoffs, value=mf, deadline=deadline)
+    if got is not None:
+        return got[1], True
+    return evaluate(cap, best.placement, partial_handoffs=partial_handoffs, with_cut=False).flows, False

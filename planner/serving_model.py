@@ -49,6 +49,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from helix.domain import Placement
 from helix.perf_model import (
     DECODE_CONTEXT_PER_SLOT,
     HOST_COPY_GB_PER_S,
@@ -57,9 +58,9 @@ from helix.perf_model import (
     prompts_per_iteration,
 )
 from planner.budget import Deadline
+from planner.capacity import CapacityModel
 from planner.graph import hands_off
-from planner.highs_model import Model
-from planner.instance import Instance, Placement
+from planner.solvers import Model
 
 MAX_PATHS = 400
 MAX_PREFILL_BUSY = 0.9
@@ -74,9 +75,9 @@ class Workload:
     kv_node_watermark: float = 0.85  # the router masks a node whose own KV estimate would pass this (router.kv)
     reserve_tokens: float | None = None  # KV reserved per request per layer; None = prompt + output
     prompt_counts_in_tok_s: bool = False  # True: T_i(k) caps prompt+decode tokens; False: decode only
-    compute: str = "curves"
+    compute: str = "curves"  # "curves": node time from the latency curves when profiled; "tok_s": T_i(k)
     mixed_batches: bool = True  # iterations mix prefill and decode tokens (else: prefill inflation)
-    routing: str = "flows"  # "flows": split as the max-flow paths (IWRR); "free": LP picks paths  # "curves": node time from the latency curves when profiled; "tok_s": T_i(k)
+    routing: str = "flows"  # "flows": split as the max-flow paths (IWRR); "free": LP picks paths
     fixed_hop_ms: float = 0.0  # per-hop overhead not in the link latency
     # how decodes batch (fitted to the simulator on single24's placements, docs/planner-optimizer.md section 6):
     # requests move in convoys, convoys_per_width of them per parallel node of the widest layer; a decode waits
@@ -138,10 +139,10 @@ def _decompose(flows: dict[tuple[str, str], float], coord: str) -> list[tuple[li
 
 
 class ServingModel:
-    """Scores placements for one instance and workload (caches per-type curves)."""
+    """Scores placements of one planning problem for one workload (caches prefill times per kind)."""
 
-    def __init__(self, inst: Instance, workload: Workload | None = None) -> None:
-        self.inst = inst
+    def __init__(self, cap: CapacityModel, workload: Workload | None = None) -> None:
+        self.cap = cap
         self.w = workload or Workload()
         self._prefill: dict[tuple[str, int, bool], float] = {}
         self._copy_s_per_byte = host_copy_s_per_byte(self.w.host_copy_gb_per_s)
@@ -156,16 +157,16 @@ class ServingModel:
         above the node's decode limit (requests, or their contexts summed) takes several steps,
         and prompt tokens beyond what one iteration may carry (whole prompts, tokens) run in
         prompt-only iterations of their own."""
-        g = self.inst.gpus[self.inst.gpu_of[node]]
+        g = self.cap.kind(node)
         w = self.w
         batch = max(1.0, batch)
         if g.curves is None:
             return batch / g.tok_s[layers_run - 1]
-        cap = float(g.decode_max_batch[layers_run - 1]) if g.decode_max_batch else batch
+        limit = float(g.decode_max_batch[layers_run - 1]) if g.decode_max_batch else batch
         mean_context = w.prompt_tokens + w.output_tokens / 2
         if g.decode_max_batch and w.decode_context_per_slot is not None and mean_context > 0:
-            cap = min(cap, max(1.0, g.decode_max_batch[layers_run - 1] * w.decode_context_per_slot / mean_context))
-        steps = math.ceil(batch / cap - 1e-9)
+            limit = min(limit, max(1.0, g.decode_max_batch[layers_run - 1] * w.decode_context_per_slot / mean_context))
+        steps = math.ceil(batch / limit - 1e-9)
         per_step = batch / steps
         # in steady state every iteration also carries prompt tokens in the workload's ratio
         riding = per_step * w.prompt_tokens / w.output_tokens if w.mixed_batches else 0.0
@@ -214,7 +215,7 @@ class ServingModel:
         of the workload's mean length (:func:`helix.perf_model.prompts_per_iteration`), within
         the profile's ``prompt_max_tokens`` (4096 when absent, as in the simulator); never less
         than one prompt."""
-        g = self.inst.gpus[self.inst.gpu_of[node]]
+        g = self.cap.kind(node)
         pmax = float(g.prompt_max_tokens[layers_run - 1]) if g.prompt_max_tokens else 4096.0
         count = prompts_per_iteration(pmax, self.w.prompt_slot_tokens)
         tokens = pmax if count is None else min(pmax, count * self.w.prompt_tokens)
@@ -226,30 +227,30 @@ class ServingModel:
         ``first`` (a node holding layer 0 receives ids from the coordinator)."""
         if not self._copy_s_per_byte:
             return 0.0
-        cap = self.inst.cap
+        cap = self.cap
         return tokens * (cap.token_bytes if first else cap.activation_bytes) * self._copy_s_per_byte
 
     def prefill_s(self, node: str, layers_run: int, last: bool = False) -> float:
-        key = (self.inst.gpu_of[node], layers_run, last)
+        key = (self.cap.kind_of[node], layers_run, last)
         hit = self._prefill.get(key)
         if hit is None:
             hit = self._prefill[key] = self._prefill_s(node, layers_run, last)
         return hit
 
     def _prefill_s(self, node: str, layers_run: int, last: bool) -> float:
-        g = self.inst.gpus[self.inst.gpu_of[node]]
+        g = self.cap.kind(node)
         if g.curves is not None:  # one prompt alone in an iteration
             span = (layers_run, self.w.prompt_tokens, 0.0, 0.0)
             return g.curves.iteration_ms((span,), sampled=1.0, head_share=float(last)) / 1000.0
         return self.w.prompt_tokens / g.tok_s[layers_run - 1]
 
     def link_s(self, a: str, b: str) -> float:
-        lat = self.inst.latency_ms(a, b)
+        lat = self.cap.link_latency_ms(a, b)
         return ((lat or 0.0) + self.w.fixed_hop_ms) / 1000.0
 
     def transfer_s(self, a: str, b: str, tokens: float) -> float:
-        cap = self.inst.cap.activation_link_tok_s(a, b)
-        return tokens / cap if cap else 0.0
+        link = self.cap.activation_link_tok_s(a, b)
+        return tokens / link if link else 0.0
 
     def _layer_segments(self, placement: Placement) -> tuple[list[tuple[tuple[int, int], list[str]]], dict[tuple[int, int], float]]:
         """Layer segments with their holders, and KV entries per layer of each (summed over the
@@ -260,7 +261,7 @@ class ServingModel:
             total = 0.0
             for n in holders:
                 s, e = placement[n]
-                total += self.inst.gpus[self.inst.gpu_of[n]].kv_entries[e - s - 1] / (e - s)
+                total += self.cap.kind(n).kv_entries[e - s - 1] / (e - s)
             kv[seg] = total
         return segments, kv
 
@@ -276,19 +277,19 @@ class ServingModel:
 
     def short_paths(self, placement: Placement) -> list[list[str]]:
         """For every node, the lowest-latency source->sink path through it (DP on the DAG)."""
-        inst, coord, L = self.inst, self.inst.coordinator, self.inst.num_layers
+        cap, coord, L = self.cap, self.cap.coordinator, self.cap.num_layers
         cost = {n: self.decode_s(n, e - s, 8.0, e == L) for n, (s, e) in placement.items()}
         order = sorted(placement, key=lambda n: placement[n][1])
         fwd: dict[str, tuple[float, str | None]] = {}
         for n in order:
             s, e = placement[n]
             best: tuple[float, str | None] = (float("inf"), None)
-            if s == 0 and inst.latency_ms(coord, n) is not None:
+            if s == 0 and cap.link_latency_ms(coord, n) is not None:
                 best = (self.link_s(coord, n), None)
             for m in order:
                 if placement[m][1] >= e:
                     break
-                if m in fwd and hands_off(placement[m], placement[n], True) and inst.latency_ms(m, n) is not None:
+                if m in fwd and hands_off(placement[m], placement[n], True) and cap.link_latency_ms(m, n) is not None:
                     c = fwd[m][0] + cost[m] + self.link_s(m, n)
                     if c < best[0]:
                         best = (c, m)
@@ -298,10 +299,10 @@ class ServingModel:
         for n in reversed(order):
             s, e = placement[n]
             best = (float("inf"), None)
-            if e == L and inst.latency_ms(n, coord) is not None:
+            if e == L and cap.link_latency_ms(n, coord) is not None:
                 best = (self.link_s(n, coord) + cost[n], None)
             for m in order:
-                if m in bwd and hands_off(placement[n], placement[m], True) and inst.latency_ms(n, m) is not None:
+                if m in bwd and hands_off(placement[n], placement[m], True) and cap.link_latency_ms(n, m) is not None:
                     c = bwd[m][0] + cost[n] + self.link_s(n, m)
                     if c < best[0]:
                         best = (c, m)
@@ -334,7 +335,7 @@ class ServingModel:
     ) -> ServingEstimate:
         """The estimate after ``iterations`` rounds of the batch fixed point; past ``deadline``
         it returns the last round's (at least the first round runs: one LP of milliseconds)."""
-        inst, w, coord = self.inst, self.w, self.inst.coordinator
+        cap, w, coord = self.cap, self.w, self.cap.coordinator
         if max_flow <= 0:
             return ServingEstimate(0.0, max_flow, 0.0, 0.0, 0.0, "none")
         decomposed = _decompose(flows, coord)
@@ -352,7 +353,7 @@ class ServingModel:
         segments, layer_kv = self._layer_segments(placement)
         rel, width = _convoy_shape(flows)
         batch = {n: 8.0 for n in placement}
-        last = {n: e == inst.num_layers for n, (_, e) in placement.items()}  # pays head_ms
+        last = {n: e == cap.num_layers for n, (_, e) in placement.items()}  # pays head_ms
         busy_prefill = {n: 0.0 for n in placement}  # share of a node's time spent on prefills
         result = ServingEstimate(0.0, max_flow, 0.0, 0.0, 0.0, "none")
         for it in range(iterations):
@@ -394,7 +395,7 @@ class ServingModel:
             rows_kind: list[str] = rows_kind_pre
             for n, js in through.items():
                 s, e = placement[n]
-                g = inst.gpus[inst.gpu_of[n]]
+                g = cap.kind(n)
                 if w.compute == "curves" and g.curves is not None:
                     # busy seconds per decode token: prefill share + this token's share of a batch step
                     vals = []
@@ -407,9 +408,9 @@ class ServingModel:
                         vals.append(per_tok / taus[j])
                     m.add_row([cols[j] for j in js], vals, hi=1.0)
                     rows_kind.append("compute")
-                m.add_row([cols[j] for j in js], [t_row / taus[j] for j in js], hi=inst.node_tok_s(n, e - s))
+                m.add_row([cols[j] for j in js], [t_row / taus[j] for j in js], hi=cap.node_capacity(n, e - s))
                 rows_kind.append("compute")
-                kv = inst.gpus[inst.gpu_of[n]].kv_entries[e - s - 1] * w.kv_node_watermark
+                kv = cap.kind(n).kv_entries[e - s - 1] * w.kv_node_watermark
                 vals = [ctx * runs[j][paths[j].index(n)] for j in js]
                 m.add_row([cols[j] for j in js], vals, hi=kv)
                 rows_kind.append("kv")
@@ -424,7 +425,7 @@ class ServingModel:
                     m.add_row([cols[j] for j in coef], list(coef.values()), hi=w.kv_watermark * layer_kv[seg])
                     rows_kind.append("kv")
             for (a, b), js in over.items():
-                capl = inst.cap.token_link_tok_s(a, b) if coord in (a, b) else inst.cap.activation_link_tok_s(a, b)
+                capl = cap.token_link_tok_s(a, b) if coord in (a, b) else cap.activation_link_tok_s(a, b)
                 if capl is None:
                     capl = 0.0
                 m.add_row([cols[j] for j in js], [tokens_per_decode / taus[j]] * len(js), hi=capl)

@@ -36,13 +36,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from helix.domain import Placement
 from helix.errors import HelixError
 from helix.plan import Plan
 from helix.profile import ProfileSet
 from helix.spec import ClusterSpec
 from planner.budget import Deadline
+from planner.capacity import CapacityModel
 from planner.flows import balanced_flows
-from planner.instance import Instance, Placement
 from planner.local_search import Evaluator, Scored, neighbourhood
 
 SIM_WARMUP_S = 60.0  # simulated seconds before the measured window (the offline feeder ramps up) ...
@@ -130,7 +131,7 @@ class SimScorer:
 
     cluster: ClusterSpec
     profiles: ProfileSet
-    inst: Instance
+    cap: CapacityModel
     simulator: RunSimulation
     partial_handoffs: bool = True
     warmup_s: float = SIM_WARMUP_S
@@ -154,7 +155,7 @@ class SimScorer:
         if hit is not None:
             return hit
         t0 = time.monotonic()
-        value, edges = balanced_flows(self.inst.cap, pl, partial_handoffs=self.partial_handoffs, deadline=deadline)
+        value, edges = balanced_flows(self.cap, pl, partial_handoffs=self.partial_handoffs, deadline=deadline)
         plan = Plan(cluster=self.cluster.name, model=self.cluster.model, method="helix", placement=dict(pl),
                     max_flow_tok_s=value, flows=edges, partial_handoffs=self.partial_handoffs)
 
@@ -227,7 +228,7 @@ def refine(ev: Evaluator, starts: list[Scored], scorer: SimScorer, *, deadline: 
         if not fits():
             break
         cur, cur_sim = best
-        near = neighbourhood(ev.inst, cur.placement, rng)
+        near = neighbourhood(ev.cap, cur.placement, rng)
         shifts = [pl for pl in near if _is_boundary_shift(cur.placement, pl)]
         rest = [pl for pl in near if not _is_boundary_shift(cur.placement, pl)]
         pool = shifts + rng.sample(rest, min(len(rest), max(0, SIM_NEIGHBOURS - len(shifts))))

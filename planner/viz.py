@@ -29,7 +29,8 @@ import networkx as nx
 from helix.plan import Plan, node_inflow
 from helix.profile import ProfileSet
 from helix.spec import ClusterSpec
-from planner.graph import SINK, SOURCE, CapacityModel, build_graph
+from planner.capacity import CapacityModel
+from planner.graph import SINK, SOURCE, build_graph
 from planner.viz_layout import (
     COORD_IN,
     COORD_OUT,

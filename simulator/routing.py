@@ -45,7 +45,7 @@ def judge_flows(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet) -> dict[
     :data:`planner.flows.JUDGE_MIN_SHARE` of its vertex's out-flow (:func:`planner.flows.judge_flows`, which the
     planner's serving objective scores placements with too)."""
     from planner import flows
-    from planner.graph import CapacityModel
+    from planner.capacity import CapacityModel
 
     return flows.judge_flows(CapacityModel.build(cluster, profiles), dict(plan.placement),
                              partial_handoffs=plan.partial_handoffs)  # fmt: skip

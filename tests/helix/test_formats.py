@@ -160,8 +160,7 @@ def test_plan_file_errors_name_field(tmp_path: Path) -> None:
 
 
 def test_node_layer_cap_limits_planning(tmp_path: Path) -> None:
-    from planner.graph import CapacityModel
-    from planner.instance import Instance
+    from planner.capacity import CapacityModel
 
     c = base_cluster()
     c["nodes"][1]["max_layers"] = 2
@@ -169,8 +168,7 @@ def test_node_layer_cap_limits_planning(tmp_path: Path) -> None:
     profiles = load_profiles_for(spec)
     cap = CapacityModel.build(spec, profiles)
     assert cap.max_layers == {"a": 4, "b": 2} and cap.node_tok_s["b"] == [400, 200]
-    inst = Instance.build(spec, profiles)
-    assert inst.max_layers("b") == 2 and inst.gpu_of == {"a": "G", "b": "G<=2"}
+    assert cap.kind_of == {"a": "G", "b": "G<=2"} and cap.kind("b").max_layers == 2
     c["nodes"] = [{"id": "a", "gpu": "G", "max_layers": 3}]
     c["links"] = []
     with pytest.raises(InfeasiblePlanError, match="at most 3"):

@@ -67,13 +67,13 @@ def test_the_decode_floor_leaves_curves_measured_from_batch_one_alone() -> None:
 
 
 def test_planner_prices_a_lone_decode_as_the_simulator_does() -> None:
-    from planner.instance import Instance
+    from planner.capacity import CapacityModel
     from planner.serving_model import ServingModel, Workload
     from simulator.engine import SimConfig, Simulation
 
     cluster, profiles, plan = _two_node_case(decode=PAPER_A100_DECODE, prefill=[(0, 0.0), (250, 2.0)])
     sim = Simulation(cluster, profiles, plan, SimConfig(mode="online", num_requests=1))
-    planner = ServingModel(Instance.build(cluster, profiles), Workload(prompt_tokens=0.0, output_tokens=40.0))
+    planner = ServingModel(CapacityModel.build(cluster, profiles), Workload(prompt_tokens=0.0, output_tokens=40.0))
     # one decode alone on 2 layers, no prompt riding along: 2 x 1.4 ms in both
     assert sim.nodes["n0"].iteration_ms({0: [0, 1, 0]}, 1) == pytest.approx(2.8)
     assert planner.decode_s("n0", 2, 1.0) == pytest.approx(0.0028)
@@ -142,7 +142,7 @@ def test_planner_and_simulator_price_one_iteration_alike() -> None:
     from helix.plan import Plan
     from helix.profile import GpuProfile, ModelProfile, ProfileSet, ThroughputProfile
     from helix.spec import ClusterSpec
-    from planner.instance import Instance
+    from planner.capacity import CapacityModel
     from planner.serving_model import ServingModel, Workload
     from simulator.engine import SimConfig, Simulation
 
@@ -159,7 +159,7 @@ def test_planner_and_simulator_price_one_iteration_alike() -> None:
     plan = Plan(cluster="t", model="m", method="given", placement={"n0": (0, 2), "n1": (2, 4)}, max_flow_tok_s=1.0)
     sim = Simulation(cluster, profiles, plan, SimConfig(mode="online", num_requests=1))
     workload = Workload(prompt_tokens=100.0, output_tokens=40.0, mixed_batches=True)
-    planner = ServingModel(Instance.build(cluster, profiles), workload)
+    planner = ServingModel(CapacityModel.build(cluster, profiles), workload)
     # 8 decodes at the workload's mean context with its share of prompt tokens (8 x 100 / 40 = 20), which the
     # planner prices as 20 / 100 of a whole 100-token prompt, as the simulator prices a prompt
     context = 8 * (100 + 40 / 2)

@@ -31,7 +31,7 @@ def test_context_cost_prices_the_workload_context() -> None:
 def test_the_planner_serving_model_prices_the_same_context() -> None:
     from helix.profile import GpuProfile, ModelProfile, ProfileSet
     from helix.spec import ClusterSpec
-    from planner.instance import Instance
+    from planner.capacity import CapacityModel
     from planner.serving_model import ServingModel
 
     model = ModelProfile(num_layers=4, hidden_size=8, layer_weight_bytes=1.0, kv_bytes_per_token_per_layer=1.0)
@@ -41,8 +41,8 @@ def test_the_planner_serving_model_prices_the_same_context() -> None:
 
     def decode_s(**extra: float) -> float:
         tp = ThroughputProfile(**CURVES, **extra)
-        inst = Instance.build(cluster, ProfileSet(models={"m": model}, gpus={"g": GpuProfile(vram_gb=1, throughput={"m": tp})}))
-        return ServingModel(inst).decode_s("n0", 4, 8.0, last=True)
+        cap = CapacityModel.build(cluster, ProfileSet(models={"m": model}, gpus={"g": GpuProfile(vram_gb=1, throughput={"m": tp})}))
+        return ServingModel(cap).decode_s("n0", 4, 8.0, last=True)
 
     plain, priced = decode_s(), decode_s(decode_context_tokens=64.0, decode_ms_per_context_token=0.001)
     context = 763 + 232 / 2  # the default workload's mean context

@@ -8,7 +8,7 @@ from helix.errors import InfeasiblePlanError
 from helix.plan import check_plan
 from planner import baselines
 from planner.api import make_plan
-from planner.graph import CapacityModel
+from planner.capacity import CapacityModel
 
 from .conftest import DEMO, GEO, SINGLE24, load
 
@@ -26,12 +26,11 @@ def _valid(cluster, cap, placement) -> None:
 def test_baseline_valid(path, name: str) -> None:
     cluster, profiles = load(path)
     cap = CapacityModel.build(cluster, profiles)
-    gpu = {n.id: n.gpu for n in cluster.nodes}
     if name == "separate" and path == SINGLE24:
         with pytest.raises(InfeasiblePlanError, match="no GPU type has enough nodes"):
-            baselines.run_baseline(name, cap, gpu)
+            baselines.run_baseline(name, cap)
         return
-    placement = baselines.run_baseline(name, cap, gpu)
+    placement = baselines.run_baseline(name, cap)
     _valid(cluster, cap, placement)
     plan = make_plan(cluster, profiles, method=name)  # also runs check_plan + check_flows
     assert plan.max_flow_tok_s > 0 and plan.method == name and plan.status == "heuristic"
@@ -51,7 +50,7 @@ def test_separate_builds_homogeneous_pipelines() -> None:
     cluster, profiles = load(GEO)
     cap = CapacityModel.build(cluster, profiles)
     gpu = {n.id: n.gpu for n in cluster.nodes}
-    placement = baselines.separate(cap, gpu)
+    placement = baselines.separate(cap)
     # only the 12 L4s (7 layers each) can form an 80-layer pipeline on their own
     assert {gpu[n] for n in placement} == {"L4"} and len(placement) == 12
     assert sum(e - s for s, e in placement.values()) == 80

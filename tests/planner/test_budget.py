@@ -21,13 +21,14 @@ from planner.budget import (
     describe_stop,
     stall_window_s,
 )
+from planner.capacity import CapacityModel
 from planner.flows import balance
-from planner.graph import CapacityModel, check_flows
-from planner.highs_model import Model
-from planner.instance import Instance
+from planner.graph import check_flows
 from planner.local_search import Evaluator, improve
 from planner.optimize import optimize
+from planner.options import PlannerOptions
 from planner.progress import Progress
+from planner.solvers import Model
 
 from .conftest import GEO, load, mixed64
 
@@ -92,10 +93,10 @@ def test_stall_window_and_stop_texts() -> None:
 
 def test_local_search_stops_at_its_deadline(single24: tuple[ClusterSpec, ProfileSet]) -> None:
     cluster, profiles = single24
-    inst = Instance.build(cluster, profiles)
+    cap = CapacityModel.build(cluster, profiles)
     start = baseline_placements(cluster, profiles)["petals"]
     clock = FakeClock()
-    ev = Evaluator(inst, "max-flow")
+    ev = Evaluator(cap, "max-flow")
     improve(ev, start, deadline=Deadline.after(0.0, clock))
     assert ev.evaluations == 1  # the start only: no move is tried after the deadline
 
@@ -105,7 +106,7 @@ def test_local_search_stops_at_its_deadline(single24: tuple[ClusterSpec, Profile
             return self.t
 
     ticking = Ticking()
-    ev = Evaluator(inst, "max-flow")
+    ev = Evaluator(cap, "max-flow")
     improve(ev, start, deadline=Deadline.after(0.5, ticking))
     assert 1 < ev.evaluations <= 500  # it ran, and stopped when the (fake) half second was up
 
@@ -113,17 +114,17 @@ def test_local_search_stops_at_its_deadline(single24: tuple[ClusterSpec, Profile
 def test_construction_and_bound_start_no_solve_after_the_deadline(
     single24: tuple[ClusterSpec, ProfileSet], solves: list[float]
 ) -> None:
-    inst = Instance.build(*single24)
+    cap = CapacityModel.build(*single24)
     clock = FakeClock()
     gone = Deadline.after(0.0, clock)
-    assert stages.best_stage_plan(inst, lo=0.0, hi=3000.0, deadline=gone) is None
-    got = bounds.upper_bound(inst, achieved=1000.0, deadline=gone)
-    assert got.tok_s == bounds.cheap_bound(inst).tok_s  # only what is proven without a solver
+    assert stages.best_stage_plan(cap, lo=0.0, hi=3000.0, deadline=gone) is None
+    got = bounds.upper_bound(cap, achieved=1000.0, deadline=gone)
+    assert got.tok_s == bounds.cheap_bound(cap).tok_s  # only what is proven without a solver
     assert solves == []
     # with time left, every solve gets at most what is left (the fake clock does not move)
     soon = Deadline.after(0.25, clock)
-    stages.best_stage_plan(inst, lo=0.0, hi=3000.0, deadline=soon)
-    bounds.upper_bound(inst, achieved=1000.0, deadline=soon)
+    stages.best_stage_plan(cap, lo=0.0, hi=3000.0, deadline=soon)
+    bounds.upper_bound(cap, achieved=1000.0, deadline=soon)
     assert solves and max(solves) <= 0.25
 
 
@@ -141,7 +142,7 @@ def test_optimize_ends_every_phase_when_its_deadline_passes(solves: list[float])
             after_jump.append(len(solves))
 
     warm = list(baseline_placements(cluster, profiles).values())
-    res = optimize(cluster, profiles, objective="serving", warm_start=warm, on_progress=on_progress,
+    res = optimize(cluster, profiles, PlannerOptions(objective="serving"), warm_start=warm, on_progress=on_progress,
                    deadline=Deadline.after(60.0, clock))
     assert reports[0].incumbent_tok_s is None and reports[0].message == "construction"
     first = next(p for p in reports if p.incumbent_tok_s is not None)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from planner.api import make_plan
-from planner.graph import CapacityModel, max_flow_value
+from planner.capacity import CapacityModel
+from planner.graph import max_flow_value
 
 from .conftest import DEMO, GEO, load
 

@@ -6,9 +6,11 @@ import itertools
 
 import pytest
 
-from planner import milp
+from planner import milp, solvers
 from planner.api import make_plan
-from planner.graph import CapacityModel, max_flow_value
+from planner.capacity import CapacityModel
+from planner.graph import max_flow_value
+from planner.progress import Progress
 
 from .conftest import load, small_instance
 
@@ -16,7 +18,7 @@ from .conftest import load, small_instance
 def brute_force(cap: CapacityModel, *, partial_handoffs: bool) -> float:
     options = {
         n: [(s, s + k) for k in range(1, cap.max_layers[n] + 1) for s in range(cap.num_layers - k + 1)]
-        for n in cap.node_tok_s
+        for n in cap.nodes
     }
     nodes = list(options)
     best = 0.0
@@ -49,7 +51,7 @@ def test_paper_milp_reaches_brute_force_optimum(small, partial: bool) -> None:
 def test_warm_start_is_kept_and_progress_reported(small) -> None:
     _, _, cap, optimum = small
     warm = {"b0": (0, 2), "b1": (2, 4), "s0": (0, 1), "s1": (3, 4)}
-    seen: list[milp.Progress] = []
+    seen: list[Progress] = []
     res = milp.solve_paper_milp(cap, time_limit_s=60, threads=1, warm_start=warm, on_progress=seen.append)
     assert res.objective_tok_s == pytest.approx(optimum[True], rel=1e-6)
     assert seen and seen[-1].message == "optimal"
@@ -57,7 +59,7 @@ def test_warm_start_is_kept_and_progress_reported(small) -> None:
 
 def test_stop_at_bound_and_pruning(small) -> None:
     _, _, cap, _ = small
-    pruned = milp.prune_links(cap, 0.5)
+    pruned = cap.pruned(0.5)
     assert len(pruned.links) < len(cap.links)
     assert all(k in cap.links for k in pruned.links)
     res = milp.solve_paper_milp(cap, time_limit_s=60, threads=1, prune_links_frac=0.5, stop_at_bound=True)
@@ -67,7 +69,7 @@ def test_stop_at_bound_and_pruning(small) -> None:
 
 def test_cbc_is_selectable(small) -> None:
     _, _, cap, optimum = small
-    if not milp.solver_available("cbc"):
+    if not solvers.solver_available("cbc"):
         pytest.skip("CBC not installed")
     res = milp.solve_paper_milp(cap, time_limit_s=60, threads=1, solver="cbc")
     assert res.objective_tok_s == pytest.approx(optimum[True], rel=1e-5)
@@ -75,7 +77,7 @@ def test_cbc_is_selectable(small) -> None:
 
 def test_gurobi_never_required(small) -> None:
     _, _, cap, _ = small
-    if milp.solver_available("gurobi"):
+    if solvers.solver_available("gurobi"):
         pytest.skip("Gurobi is usable here")
     from helix.errors import ConfigError
 

@@ -12,8 +12,10 @@ import pytest
 from helix.profile import ProfileSet
 from helix.spec import ClusterSpec
 from planner.api import baseline_placements
-from planner.graph import CapacityModel, check_flows, max_flow_value
+from planner.capacity import CapacityModel
+from planner.graph import check_flows, max_flow_value
 from planner.optimize import optimize
+from planner.options import PlannerOptions
 
 REFERENCE_FLOWS = {"milp": 1289.5558, "petals": 952.107, "swarm": 757.853}
 NETWORK_FREE = 2803.861
@@ -62,7 +64,7 @@ def brute_force(cluster: ClusterSpec, profiles: ProfileSet) -> float:
 
 def test_single24_max_flow_beats_paper_by_1_5x_and_is_proven_optimal(single24: tuple[ClusterSpec, ProfileSet]) -> None:
     cluster, profiles = single24
-    res = optimize(cluster, profiles, objective="max-flow", time_limit_s=20, threads=2)
+    res = optimize(cluster, profiles, PlannerOptions(objective="max-flow", time_limit_s=20, threads=2))
     cap = CapacityModel.build(cluster, profiles)
     exact = max_flow_value(cap, res.placement)
     assert exact == pytest.approx(res.max_flow_tok_s, rel=1e-9)
@@ -79,22 +81,21 @@ def test_single24_max_flow_beats_paper_by_1_5x_and_is_proven_optimal(single24: t
 
 def test_bound_is_above_every_paper_placement(single24: tuple[ClusterSpec, ProfileSet]) -> None:
     from planner import bounds
-    from planner.instance import Instance
 
-    inst = Instance.build(*single24)
-    b = bounds.upper_bound(inst, achieved=0.0, time_limit_s=20)
+    cap = CapacityModel.build(*single24)
+    b = bounds.upper_bound(cap, achieved=0.0, time_limit_s=20)
     assert b.tok_s >= max(REFERENCE_FLOWS.values())
-    assert bounds.area_bound(inst) == pytest.approx(NETWORK_FREE, rel=1e-6)
+    assert bounds.area_bound(cap) == pytest.approx(NETWORK_FREE, rel=1e-6)
     # the configuration relaxation is feasible just below the bound and infeasible above it
-    assert bounds.configuration_feasible(inst, b.tok_s * 0.999) is True
-    assert bounds.configuration_feasible(inst, b.tok_s * 1.001) is False
+    assert bounds.configuration_feasible(cap, b.tok_s * 0.999) is True
+    assert bounds.configuration_feasible(cap, b.tok_s * 1.001) is False
 
 
 @pytest.mark.parametrize("geo", [False, True])
 def test_matches_brute_force_on_tiny_clusters(geo: bool) -> None:
     cluster, profiles = tiny(layers=5, nodes=[("a", "big", "r1"), ("b", "mid", "r1"), ("c", "small", "r2")], geo=geo)
     best = brute_force(cluster, profiles)
-    res = optimize(cluster, profiles, objective="max-flow", time_limit_s=6, threads=1)
+    res = optimize(cluster, profiles, PlannerOptions(objective="max-flow", time_limit_s=6, threads=1))
     assert res.max_flow_tok_s == pytest.approx(best, rel=1e-6)
     assert res.upper_bound_tok_s >= best * (1 - 1e-9)
 
@@ -106,7 +107,7 @@ def test_beats_every_baseline_on_a_small_cluster() -> None:
     cap = CapacityModel.build(cluster, profiles)
     bases = baseline_placements(cluster, profiles, cap)
     assert bases
-    res = optimize(cluster, profiles, objective="max-flow", time_limit_s=8, threads=1)
+    res = optimize(cluster, profiles, PlannerOptions(objective="max-flow", time_limit_s=8, threads=1))
     assert res.max_flow_tok_s >= max(max_flow_value(cap, p) for p in bases.values()) * (1 - 1e-9)
     assert res.max_flow_tok_s <= res.upper_bound_tok_s * (1 + 1e-9)
 
@@ -116,7 +117,7 @@ def test_geo_cluster_uses_exact_evaluation() -> None:
              ("a1", "big", "west"), ("m1", "mid", "west"), ("s1", "small", "west")]
     cluster, profiles = tiny(layers=8, nodes=nodes, geo=True)
     cap = CapacityModel.build(cluster, profiles)
-    res = optimize(cluster, profiles, objective="max-flow", time_limit_s=8, threads=1)
+    res = optimize(cluster, profiles, PlannerOptions(objective="max-flow", time_limit_s=8, threads=1))
     assert res.max_flow_tok_s == pytest.approx(max_flow_value(cap, res.placement), rel=1e-9)
     for p in baseline_placements(cluster, profiles, cap).values():
         assert res.max_flow_tok_s >= max_flow_value(cap, p) * (1 - 1e-9)
@@ -124,8 +125,8 @@ def test_geo_cluster_uses_exact_evaluation() -> None:
 
 def test_same_seed_same_plan(single24: tuple[ClusterSpec, ProfileSet]) -> None:
     cluster, profiles = single24
-    a = optimize(cluster, profiles, objective="max-flow", time_limit_s=5, seed=3)
-    b = optimize(cluster, profiles, objective="max-flow", time_limit_s=5, seed=3)
+    a = optimize(cluster, profiles, PlannerOptions(objective="max-flow", time_limit_s=5, seed=3))
+    b = optimize(cluster, profiles, PlannerOptions(objective="max-flow", time_limit_s=5, seed=3))
     assert a.placement == b.placement and a.max_flow_tok_s == b.max_flow_tok_s
 
 
@@ -134,7 +135,7 @@ def test_progress_callback_and_warm_start(single24: tuple[ClusterSpec, ProfileSe
     ref = Path(__file__).resolve().parents[2] / "clusters" / "helix-paper-single24" / "reference" / "milp.json"
     warm = {n: tuple(r) for n, r in json.loads(ref.read_text())["placement"].items()}
     seen: list[tuple[float | None, float | None, float]] = []
-    res = optimize(cluster, profiles, objective="max-flow", time_limit_s=5, warm_start=warm,
-                   on_progress=lambda inc, bnd, el: seen.append((inc, bnd, el)))
+    res = optimize(cluster, profiles, PlannerOptions(objective="max-flow", time_limit_s=5), warm_start=warm,
+                   on_progress=lambda p: seen.append((p.incumbent_tok_s, p.bound_tok_s, p.elapsed_s)))
     assert seen and all(el >= 0 for _, _, el in seen)
     assert res.max_flow_tok_s >= REFERENCE_FLOWS["milp"]

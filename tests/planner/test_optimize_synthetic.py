@@ -16,8 +16,10 @@ import yaml
 from helix.profile import ProfileSet
 from helix.spec import ClusterSpec
 from planner.api import baseline_placements
-from planner.graph import CapacityModel, max_flow_value
+from planner.capacity import CapacityModel
+from planner.graph import max_flow_value
 from planner.optimize import optimize
+from planner.options import PlannerOptions
 
 PROFILES = Path(__file__).resolve().parents[2] / "clusters" / "helix-paper-single24" / "profiles-llama70b.yaml"
 MODEL = "llama-2-70b"
@@ -67,7 +69,7 @@ def test_synthetic_geo_cluster_beats_the_best_baseline() -> None:
     cluster, profiles = synthetic({"A100": 5, "V100": 6, "A10": 8, "L4": 9, "T4": 12})
     cap = CapacityModel.build(cluster, profiles)
     best_baseline = max(max_flow_value(cap, p) for p in baseline_placements(cluster, profiles, cap).values())
-    res = optimize(cluster, profiles, objective="max-flow", time_limit_s=20, threads=2)
+    res = optimize(cluster, profiles, PlannerOptions(objective="max-flow", time_limit_s=20, threads=2))
     assert res.max_flow_tok_s == max_flow_value(cap, res.placement)
     assert res.max_flow_tok_s >= best_baseline
     assert res.max_flow_tok_s <= res.upper_bound_tok_s * (1 + 1e-9)

@@ -9,14 +9,16 @@ import random
 import pytest
 
 from helix.cli import main
+from helix.domain import LayerRange, Placement
 from helix.plan import Plan
 from helix.profile import ProfileSet
 from helix.spec import ClusterSpec
 from planner.budget import STALL_MIN_S, Deadline
+from planner.capacity import CapacityModel
 from planner.flows import balanced_flows
-from planner.instance import Instance, Placement
 from planner.local_search import Evaluator, group_moves, neighbourhood
 from planner.optimize import optimize
+from planner.options import PlannerOptions
 from planner.serving_model import ServingModel
 from planner.simulated import Refinement, SimScorer, refine, simulable
 from simulator.engine import SimConfig, simulate
@@ -28,38 +30,38 @@ from .conftest import DEMO, SINGLE24, load
 WARMUP_S, MEASURE_S = 30.0, 120.0
 
 
-def stage_plan(inst: Instance, groups: list[tuple[str, int, int]]) -> Placement:
+def stage_plan(cap: CapacityModel, groups: list[tuple[str, int, int]]) -> Placement:
     """``(GPU type, nodes, layers)`` per stage, in pipeline order: the type's nodes by id, first unused first."""
-    free = {t: sorted(n for n in inst.nodes if inst.gpu_of[n] == t) for t in set(inst.gpu_of.values())}
+    free = {t: sorted(n for n in cap.nodes if cap.gpu_of[n] == t) for t in set(cap.gpu_of.values())}
     out: Placement = {}
     start = 0
     for gpu, count, layers in groups:
         for _ in range(count):
-            out[free[gpu].pop(0)] = (start, start + layers)
+            out[free[gpu].pop(0)] = LayerRange(start, start + layers)
         start += layers
-    assert start == inst.num_layers and all(not left for left in free.values())
+    assert start == cap.num_layers and all(not left for left in free.values())
     return out
 
 
 @pytest.fixture(scope="module")
-def inst(single24: tuple[ClusterSpec, ProfileSet]) -> Instance:
-    return Instance.build(*single24)
+def cap(single24: tuple[ClusterSpec, ProfileSet]) -> CapacityModel:
+    return CapacityModel.build(*single24)
 
 
-def sextets(inst: Instance) -> Placement:
+def sextets(cap: CapacityModel) -> Placement:
     """10 stages: A100s of 11 layers, L4 pairs of 7, T4 sextets of 4 (the model's pick on single24)."""
-    return stage_plan(inst, [("A100", 1, 11)] * 4 + [("L4", 2, 7)] * 4 + [("T4", 6, 4)] * 2)
+    return stage_plan(cap, [("A100", 1, 11)] * 4 + [("L4", 2, 7)] * 4 + [("T4", 6, 4)] * 2)
 
 
-def quartets(inst: Instance) -> Placement:
+def quartets(cap: CapacityModel) -> Placement:
     """11 stages: A100s of 11 layers, L4 pairs of 6, T4 quartets of 4 (the model rates it lower, the simulator higher)."""
-    return stage_plan(inst, [("A100", 1, 11)] * 4 + [("L4", 2, 6)] * 4 + [("T4", 4, 4)] * 3)
+    return stage_plan(cap, [("A100", 1, 11)] * 4 + [("L4", 2, 6)] * 4 + [("T4", 4, 4)] * 3)
 
 
-def test_group_moves_shift_whole_groups_and_keep_every_layer_covered(inst: Instance) -> None:
-    pl = quartets(inst)
-    moves = group_moves(inst, pl)
-    ev = Evaluator(inst, "max-flow")
+def test_group_moves_shift_whole_groups_and_keep_every_layer_covered(cap: CapacityModel) -> None:
+    pl = quartets(cap)
+    moves = group_moves(cap, pl)
+    ev = Evaluator(cap, "max-flow")
     assert moves and all(ev.valid(m) for m in moves)
     # the boundary between the last L4 pair [62, 68) and the first T4 quartet [68, 72) moved to 69: all six follow
     group = sorted(n for n, r in pl.items() if r in ((62, 68), (68, 72)))
@@ -68,22 +70,22 @@ def test_group_moves_shift_whole_groups_and_keep_every_layer_covered(inst: Insta
     # to 67 the T4s would hold 5 layers, more than they can: not a move
     assert not any(m[n] == (67, 72) for m in moves for n in group)
     # a single A100 holds its 11 layers alone: it never leaves, and no T4 takes an A100's 11 layers
-    a100s = [n for n in pl if inst.gpu_of[n] == "A100"]
+    a100s = [n for n in pl if cap.gpu_of[n] == "A100"]
     assert all(m[n] == pl[n] for m in moves for n in a100s if sum(1 for x in pl if m[x] != pl[x]) == 1)
-    assert not any(m[n][1] - m[n][0] > inst.max_layers(n) for m in moves for n in m)
+    assert not any(m[n][1] - m[n][0] > cap.max_layers[n] for m in moves for n in m)
     # one T4 of a quartet joins another quartet's range
-    assert any(sum(1 for x in pl if m[x] != pl[x]) == 1 and inst.gpu_of[next(x for x in pl if m[x] != pl[x])] == "T4"
+    assert any(sum(1 for x in pl if m[x] != pl[x]) == 1 and cap.gpu_of[next(x for x in pl if m[x] != pl[x])] == "T4"
                for m in moves)
-    near = neighbourhood(inst, pl, random.Random(0))
+    near = neighbourhood(cap, pl, random.Random(0))
     assert len({frozenset(m.items()) for m in near}) == len(near) and pl not in near
 
 
-def test_the_simulator_overrules_the_models_ranking(single24: tuple[ClusterSpec, ProfileSet], inst: Instance) -> None:
+def test_the_simulator_overrules_the_models_ranking(single24: tuple[ClusterSpec, ProfileSet], cap: CapacityModel) -> None:
     cluster, profiles = single24
-    ev = Evaluator(inst, "serving", serving_model=ServingModel(inst))
-    first, second = ev.score(sextets(inst)), ev.score(quartets(inst))
+    ev = Evaluator(cap, "serving", serving_model=ServingModel(cap))
+    first, second = ev.score(sextets(cap)), ev.score(quartets(cap))
     assert first.key > second.key  # the model prefers the sextets ...
-    scorer = SimScorer(cluster, profiles, inst, run_short, warmup_s=WARMUP_S, measure_s=MEASURE_S)
+    scorer = SimScorer(cluster, profiles, cap, run_short, warmup_s=WARMUP_S, measure_s=MEASURE_S)
     said: list[str] = []
     got = refine(ev, [first, second], scorer, deadline=Deadline.after(600.0), patience=0,
                  report=lambda s, sim, msg: said.append(msg))
@@ -92,7 +94,7 @@ def test_the_simulator_overrules_the_models_ranking(single24: tuple[ClusterSpec,
     assert got.simulated.score > got.model_choice.score * 1.01
     assert said == ["simulated re-ranking (1 of 2)", "simulated re-ranking (2 of 2)"]
     # the figures are the simulator's own, under the plan's balanced flows and under the judge's
-    value, edges = balanced_flows(inst.cap, second.placement)
+    value, edges = balanced_flows(cap, second.placement)
     plan = Plan(cluster=cluster.name, model=cluster.model, method="helix", placement=second.placement,
                 max_flow_tok_s=value, flows=edges)
     for flows, figure in (("plan", got.simulated.decode_tok_s), ("judge", got.simulated.judge_decode_tok_s)):
@@ -102,11 +104,11 @@ def test_the_simulator_overrules_the_models_ranking(single24: tuple[ClusterSpec,
 
 
 def test_refinement_tries_neighbours_until_its_patience_runs_out(single24: tuple[ClusterSpec, ProfileSet],
-                                                                 inst: Instance) -> None:
+                                                                 cap: CapacityModel) -> None:
     cluster, profiles = single24
-    ev = Evaluator(inst, "serving", serving_model=ServingModel(inst))
-    start = ev.score(quartets(inst))
-    scorer = SimScorer(cluster, profiles, inst, run_short, warmup_s=WARMUP_S, measure_s=MEASURE_S)
+    ev = Evaluator(cap, "serving", serving_model=ServingModel(cap))
+    start = ev.score(quartets(cap))
+    scorer = SimScorer(cluster, profiles, cap, run_short, warmup_s=WARMUP_S, measure_s=MEASURE_S)
     got = refine(ev, [start], scorer, deadline=Deadline.after(600.0), patience=2)
     assert got is not None and got.simulations >= 3 and got.stop_reason in ("patience", "exhausted")
     assert len(scorer.cache) == got.simulations
@@ -114,7 +116,7 @@ def test_refinement_tries_neighbours_until_its_patience_runs_out(single24: tuple
     assert got.simulated.score >= got.model_choice.score  # never worse than where it started
 
 
-def test_a_simulation_past_the_deadline_is_abandoned(single24: tuple[ClusterSpec, ProfileSet], inst: Instance) -> None:
+def test_a_simulation_past_the_deadline_is_abandoned(single24: tuple[ClusterSpec, ProfileSet], cap: CapacityModel) -> None:
     cluster, profiles = single24
     ticks = [0]
 
@@ -122,18 +124,18 @@ def test_a_simulation_past_the_deadline_is_abandoned(single24: tuple[ClusterSpec
         ticks[0] += 1
         return float(ticks[0])
 
-    scorer = SimScorer(cluster, profiles, inst, run_short, warmup_s=WARMUP_S, measure_s=MEASURE_S)
-    assert scorer.score(quartets(inst), Deadline(at=50.0, clock=clock)) is None
+    scorer = SimScorer(cluster, profiles, cap, run_short, warmup_s=WARMUP_S, measure_s=MEASURE_S)
+    assert scorer.score(quartets(cap), Deadline(at=50.0, clock=clock)) is None
     assert not scorer.cache and scorer.candidates == 0
-    ev = Evaluator(inst, "serving", serving_model=ServingModel(inst))
+    ev = Evaluator(cap, "serving", serving_model=ServingModel(cap))
     expired = Deadline.after(0.0)
-    assert refine(ev, [ev.score(quartets(inst))], scorer, deadline=expired) is None
+    assert refine(ev, [ev.score(quartets(cap))], scorer, deadline=expired) is None
 
 
 def test_clusters_without_latency_curves_skip_the_phase() -> None:
     cluster, profiles = load(DEMO)  # tok_s tables only
     assert not simulable(cluster, profiles)
-    res = optimize(cluster, profiles, objective="serving", time_limit_s=10, threads=1, stall_s=0.5,
+    res = optimize(cluster, profiles, PlannerOptions(objective="serving", time_limit_s=10, threads=1, stall_s=0.5),
                    simulator=run_short)
     assert "simulations" not in res.stats and "simulated_decode_tok_s" not in res.score
     assert res.score["decode_tok_s"] > 0
@@ -144,8 +146,8 @@ def test_optimize_reports_and_returns_the_simulated_choice(single24: tuple[Clust
     assert simulable(cluster, profiles)
     said: list[str] = []
     quick = Refinement(warmup_s=WARMUP_S, measure_s=MEASURE_S, top=2, patience=1)
-    res = optimize(cluster, profiles, objective="serving", time_limit_s=30, threads=1, simulate=quick, simulator=run_short,
-                   on_progress=lambda p: said.append(p.message))
+    res = optimize(cluster, profiles, PlannerOptions(objective="serving", time_limit_s=30, threads=1, simulate=quick),
+                   simulator=run_short, on_progress=lambda p: said.append(p.message))
     assert res.stats["stall_window_s"] == STALL_MIN_S  # the model's search leaves the time to the simulator
     assert res.stats["simulations"] >= 1 and res.stats["simulated_stop"] in ("patience", "exhausted", "time_limit")
     assert any(m.startswith("simulated re-ranking (1 of") and "(plan / judge flows)" in m for m in said)
