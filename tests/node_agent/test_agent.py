@@ -1,4 +1,4 @@
-"""Node agents over real ZeroMQ on loopback, driven by the coordinator's AgentsIO.
+"""Node agents over real ZeroMQ on loopback, driven by the coordinator core on chosen pipelines (PinnedClient).
 
 Agents run as subprocesses (``helix agent`` started by ``router.launch``, one torch thread each) and are
 always stopped (SIGTERM, then SIGKILL) by the fixtures. SmolLM2-135M split over three agents must
@@ -8,8 +8,8 @@ serving; KV refusals, start-up errors and agent death are reported clearly.
 
 from __future__ import annotations
 
+import itertools
 import json
-import queue
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,15 +21,16 @@ import torch
 import zmq
 
 from helix import wire
-from helix.domain import Stage
+from helix.domain import ErrorCode, FinishReason, Stage
 from node_agent.step_log import read_step_log
-from router.agent_events import TokenEvent
+from router.agent_events import AgentDied, AgentJoined
 from router.agents_io import AgentsIO
 from router.launch import AgentProcesses
+from router.pinned import PinnedClient
+from router.request import RequestOutput
 
 SECRET = "agent-test-secret"
 NEW_TOKENS = 10  # conftest.SMOLLM2_NEW_TOKENS: hf_greedy continuations are this long
-GREEDY = wire.SamplingSpec()
 MAX_FRAME = 4 << 20
 STOP_GRACE_S = 15  # SIGTERM, then SIGKILL after this long (the vLLM agents take a while to exit)
 
@@ -75,73 +76,83 @@ def smol_agents(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 @pytest.fixture
-def coordinator(smol_agents: AgentProcesses) -> Iterator[AgentsIO]:
-    with AgentsIO(smol_agents.addresses(), secret=SECRET.encode()) as io:
-        assert io.wait_ready(timeout_s=20), io.agents()
-        yield io
+def coordinator(smol_agents: AgentProcesses) -> Iterator[PinnedClient]:
+    with PinnedClient(smol_agents.addresses(), secret=SECRET.encode(), ready_timeout_s=20) as client:
+        yield client
 
 
-def run(io: AgentsIO, work: list[tuple[list[int], list[Stage]]], *, max_tokens: int = NEW_TOKENS,
-        join_every_tokens: int = 3, timeout_s: float = 120) -> dict[int, list[TokenEvent]]:
-    """Submit request i once ``i * join_every_tokens`` tokens came back, so requests join mid-flight."""
-    events: queue.Queue[TokenEvent] = queue.Queue()
-    got: dict[int, list[TokenEvent]] = {i: [] for i in range(len(work))}
+REQUEST_IDS = itertools.count()  # ids never repeat in a session: the agents key requests by them
+
+
+def run(client: PinnedClient, work: list[tuple[list[int], list[Stage]]], *, max_tokens: int = NEW_TOKENS,
+        join_every_tokens: int = 3, timeout_s: float = 120) -> dict[int, list[RequestOutput]]:
+    """Greedy requests; request i is submitted once ``i * join_every_tokens`` tokens came back, so
+    requests join mid-flight. The outputs of request i, its last one finished."""
+    index: dict[str, int] = {}
+    got: dict[int, list[RequestOutput]] = {i: [] for i in range(len(work))}
     submitted = finished = received = 0
     deadline = time.monotonic() + timeout_s
     while finished < len(work):
         while submitted < len(work) and received >= submitted * join_every_tokens:
             prompt, pipeline = work[submitted]
-            io.submit(f"req-{submitted}", prompt, GREEDY, pipeline, max_tokens=max_tokens, on_token=events.put)
+            request_id = f"req-{next(REQUEST_IDS)}"
+            index[request_id] = submitted
+            client.submit(request_id, prompt, pipeline, max_tokens=max_tokens, temperature=0.0)
             submitted += 1
-        event = events.get(timeout=max(0.1, deadline - time.monotonic()))
-        i = int(event.request_id.split("-")[1])
-        got[i].append(event)
-        received += event.token_id is not None
-        finished += event.finished
+        out = client.outputs.get(timeout=max(0.1, deadline - time.monotonic()))
+        got[index[out.request_id]].append(out)
+        received += len(out.token_ids)
+        finished += out.finished
     return got
 
 
-def tokens_of(got: dict[int, list[TokenEvent]]) -> list[list[int]]:
-    return [[e.token_id for e in got[i] if e.token_id is not None] for i in sorted(got)]
+def tokens_of(got: dict[int, list[RequestOutput]]) -> list[list[int]]:
+    return [[t for out in got[i] for t in out.token_ids] for i in sorted(got)]
+
+
+def finish_reason(outputs: list[RequestOutput]) -> FinishReason | None:
+    return outputs[-1].finish.reason if outputs[-1].finish is not None else None
 
 
 SUB_RANGE = [Stage("a", 0, 10), Stage("b", 10, 20), Stage("c", 20, 30)]  # b holds [5, 20), runs [10, 20)
 OTHER_SPLIT = [Stage("a", 0, 5), Stage("b", 5, 20), Stage("c", 20, 30)]  # a runs half its layers
 
 
-def test_three_agents_match_transformers_greedy(coordinator: AgentsIO, smollm2_prompts: list[list[int]],
+def test_three_agents_match_transformers_greedy(coordinator: PinnedClient, smollm2_prompts: list[list[int]],
                                                 hf_greedy: list[list[int]]) -> None:
     got = run(coordinator, [(p, SUB_RANGE) for p in smollm2_prompts])
     assert tokens_of(got) == hf_greedy
-    assert all(got[i][-1].finish_reason == "length" and got[i][-1].node_id == "c" for i in got)
+    assert all(finish_reason(got[i]) == FinishReason.LENGTH and got[i][-1].node == "c" for i in got)
 
 
-def test_partial_sub_ranges_on_both_overlapping_nodes(coordinator: AgentsIO, smollm2_prompts: list[list[int]],
+def test_partial_sub_ranges_on_both_overlapping_nodes(coordinator: PinnedClient, smollm2_prompts: list[list[int]],
                                                       hf_greedy: list[list[int]]) -> None:
     work = [(p, OTHER_SPLIT if i % 2 else SUB_RANGE) for i, p in enumerate(smollm2_prompts[:4])]
     assert tokens_of(run(coordinator, work, join_every_tokens=1)) == hf_greedy[:4]
 
 
-def test_kv_is_freed_on_every_stage_after_requests_finish(coordinator: AgentsIO,
+def test_kv_is_freed_on_every_stage_after_requests_finish(coordinator: PinnedClient,
                                                          smollm2_prompts: list[list[int]]) -> None:
     run(coordinator, [(smollm2_prompts[1], SUB_RANGE)], max_tokens=3)
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
-        reports = coordinator.kv_reports()
+        reports = coordinator.io.kv_reports()
         if len(reports) == 3 and all(r.reserved_tokens == 0 and r.running == 0 for r in reports.values()):
             break
         time.sleep(0.05)
-    assert {n: r.reserved_tokens for n, r in coordinator.kv_reports().items()} == {"a": 0, "b": 0, "c": 0}
-    assert coordinator.kv_reports()["c"].capacity_tokens == 600
+    assert {n: r.reserved_tokens for n, r in coordinator.io.kv_reports().items()} == {"a": 0, "b": 0, "c": 0}
+    assert coordinator.io.kv_reports()["c"].capacity_tokens == 600
 
 
 def test_request_that_can_never_fit_is_refused_by_the_stage_that_cannot_hold_it(
-        coordinator: AgentsIO, smollm2_prompts: list[list[int]]) -> None:
-    got = run(coordinator, [(smollm2_prompts[1], SUB_RANGE)], max_tokens=700)[0]
-    assert len(got) == 1 and got[0].finished and got[0].error_code == "capacity" and got[0].node_id == "c"
-    assert "needs 741 KV tokens" in (got[0].error or "") and "holds only 600" in (got[0].error or "")
-    got = run(coordinator, [(smollm2_prompts[1], SUB_RANGE)], max_tokens=100_000)[0]
-    assert got[0].error_code == "capacity" and got[0].node_id == "a"
+        coordinator: PinnedClient, smollm2_prompts: list[list[int]]) -> None:
+    got = run(coordinator, [(smollm2_prompts[1], SUB_RANGE)], max_tokens=700)
+    refusal = got[0][-1]
+    assert tokens_of(got) == [[]] and refusal.code == ErrorCode.CAPACITY and refusal.node == "c"
+    message = refusal.error.message if refusal.error is not None else ""
+    assert "needs 741 KV tokens" in message and "holds only 600" in message
+    got = run(coordinator, [(smollm2_prompts[1], SUB_RANGE)], max_tokens=100_000)
+    assert tokens_of(got) == [[]] and got[0][-1].code == ErrorCode.CAPACITY and got[0][-1].node == "a"
 
 
 def _raw_dealer(ctx: zmq.Context[Any], address: str) -> zmq.Socket[Any]:
@@ -156,7 +167,7 @@ def _reply(sock: zmq.Socket[Any]) -> wire.Message:
     return wire.decode(sock.recv_multipart())
 
 
-def test_bad_input_is_rejected_and_agents_keep_serving(smol_agents: AgentProcesses, coordinator: AgentsIO,
+def test_bad_input_is_rejected_and_agents_keep_serving(smol_agents: AgentProcesses, coordinator: PinnedClient,
                                                        smollm2_prompts: list[list[int]],
                                                        hf_greedy: list[list[int]]) -> None:
     ctx = zmq.Context()
@@ -233,36 +244,41 @@ def tiny_model(tmp_path: Path) -> Path:
     return tmp_path / "tiny"
 
 
+def next_event(client: PinnedClient, kind: type[AgentDied | AgentJoined], timeout_s: float) -> tuple[str, float]:
+    """The node of the next ``kind`` event on ``client.events`` (other events skipped), and when it came."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        event = client.events.get(timeout=max(0.01, deadline - time.monotonic()))
+        if isinstance(event, kind):
+            return event.node, time.monotonic()
+
+
 def test_dead_agent_is_noticed_and_used_again_when_back(tmp_path: Path, tiny_model: Path) -> None:
     agents = start_agents(tmp_path, tiny_model, {"a": (0, 2), "b": (2, 4)})
-    dead: queue.Queue[tuple[str, float]] = queue.Queue()
-    alive: queue.Queue[str] = queue.Queue()
     try:
-        io = AgentsIO(agents.addresses(), secret=SECRET.encode(), dead_after_s=1.0,
-                      on_agent_dead=lambda n: dead.put((n, time.monotonic())), on_agent_alive=lambda n, w: alive.put(n))
-        with io:
-            assert io.wait_ready(timeout_s=20)
+        with PinnedClient(agents.addresses(), secret=SECRET.encode(), dead_after_s=1.0, ready_timeout_s=20) as client:
             pipeline = [Stage("a", 0, 2), Stage("b", 2, 4)]
-            events: queue.Queue[TokenEvent] = queue.Queue()
-            io.submit("long", [1, 2, 3], GREEDY, pipeline, max_tokens=400, on_token=events.put)
-            assert events.get(timeout=20).token_id is not None  # in flight
+            client.submit("long", [1, 2, 3], pipeline, max_tokens=400, temperature=0.0)
+            assert client.outputs.get(timeout=20).started and client.outputs.get(timeout=20).token_ids  # in flight
             agents.kill("b")  # kill -9
             killed_at = time.monotonic()
-            node, noticed_at = dead.get(timeout=10)
+            node, noticed_at = next_event(client, AgentDied, timeout_s=10)
             assert node == "b" and noticed_at - killed_at < 2.0
-            last = events.get(timeout=5)
+            last = client.outputs.get(timeout=5)
             while not last.finished:
-                last = events.get(timeout=5)
-            assert last.error_code == "agent_dead" and last.node_id == "b"
-            assert io.alive_nodes() == {"a"}
+                last = client.outputs.get(timeout=5)
+            assert last.code == ErrorCode.AGENT_DEAD and last.node == "b" and last.request_id == "long"
+            assert client.io.alive_nodes() == {"a"}
             # the same node comes back on the same address: the coordinator handshakes again
-            while not alive.empty():
-                alive.get()
             steps = tmp_path / "steps-{node}.jsonl"  # the restarted agent also logs its steps
             agents.start_one("b", ["--step-log", str(steps)])  # on the control address it had
             agents.wait_ready(timeout_s=90)
-            assert alive.get(timeout=20) == "b"
-            got = run(io, [([5, 6, 7], pipeline)], max_tokens=4)
+            assert next_event(client, AgentJoined, timeout_s=20)[0] == "b"
+            core = client.driver.core if client.driver is not None else None
+            deadline = time.monotonic() + 5  # PinnedClient hands a join out just before its core takes it
+            while core is not None and "b" in core.router.dead and time.monotonic() < deadline:
+                time.sleep(0.01)
+            got = run(client, [([5, 6, 7], pipeline)], max_tokens=4)
             assert len(tokens_of(got)[0]) == 4
         assert agents.stop(grace_s=STOP_GRACE_S)["b"] == 0  # the log is written out when the agent stops
         records = read_step_log(tmp_path / "steps-b.jsonl")
@@ -296,11 +312,10 @@ def vllm_agents(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 def test_three_vllm_agents_match_transformers_greedy(vllm_agents: AgentProcesses, smollm2_prompts: list[list[int]],
                                                      hf_greedy: list[list[int]]) -> None:
     """Requests join mid-flight, prefills are chunked (16 tokens, 40 per step): transformers' greedy tokens."""
-    with AgentsIO(vllm_agents.addresses(), secret=SECRET.encode()) as io:
-        assert io.wait_ready(timeout_s=20), io.agents()
-        got = run(io, [(p, VLLM_PIPELINE) for p in smollm2_prompts])
+    with PinnedClient(vllm_agents.addresses(), secret=SECRET.encode(), ready_timeout_s=20) as client:
+        got = run(client, [(p, VLLM_PIPELINE) for p in smollm2_prompts])
     assert tokens_of(got) == hf_greedy
-    assert all(got[i][-1].finish_reason == "length" and got[i][-1].node_id == "vc" for i in got)
+    assert all(finish_reason(got[i]) == FinishReason.LENGTH and got[i][-1].node == "vc" for i in got)
 
 
 @pytest.mark.vllm
@@ -308,11 +323,10 @@ def test_mixed_torch_and_vllm_agents_match_transformers_greedy(vllm_agents: Agen
                                                                smollm2_prompts: list[list[int]],
                                                                hf_greedy: list[list[int]]) -> None:
     """A torch agent feeds a vLLM agent which feeds a torch agent: one hidden stream on the wire."""
-    with AgentsIO(vllm_agents.addresses(), secret=SECRET.encode()) as io:
-        assert io.wait_ready(timeout_s=20), io.agents()
-        got = run(io, [(p, MIXED_PIPELINE) for p in smollm2_prompts])
+    with PinnedClient(vllm_agents.addresses(), secret=SECRET.encode(), ready_timeout_s=20) as client:
+        got = run(client, [(p, MIXED_PIPELINE) for p in smollm2_prompts])
     assert tokens_of(got) == hf_greedy
-    assert all(got[i][-1].node_id == "tc" for i in got)
+    assert all(got[i][-1].node == "tc" for i in got)
 
 
 def _agent_error(tmp_path: Path, model_dir: Path, capsys: pytest.CaptureFixture[str], *flags: str) -> str:

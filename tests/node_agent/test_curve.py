@@ -2,12 +2,13 @@
 
 Two ``helix agent`` subprocesses serve SmolLM2-135M split ``a: [0, 16)``, ``b: [16, 30)`` on a
 cluster file whose ``keys_dir`` holds the key pairs ``helix keys`` wrote; the coordinator is an
-in-process :class:`AgentsIO` with the coordinator's keys. Checked: the greedy tokens are
-``transformers``' (as without CURVE); peers without a key, with an unknown key, or with a known key
-on a plane it may not use are refused on the control plane, on the data plane and at the
-coordinator's result sink, each refusal logged, and the agents keep serving; a stolen coordinator
-key (with the shared secret) cannot send results outside the cluster file's hosts, and an address
-on an allowed host gets nothing unless the coordinator's key answers there.
+in-process :class:`~router.pinned.PinnedClient` (the core over :class:`AgentsIO`) with the
+coordinator's keys. Checked: the greedy tokens are ``transformers``' (as without CURVE); peers
+without a key, with an unknown key, or with a known key on a plane it may not use are refused on
+the control plane, on the data plane and at the coordinator's result sink, each refusal logged,
+and the agents keep serving; a stolen coordinator key (with the shared secret) cannot send results
+outside the cluster file's hosts, and an address on an allowed host gets nothing unless the
+coordinator's key answers there.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from helix import wire
 from helix.domain import FinishReason, Stage
 from helix.keys import CurveKeys, coordinator_keys, read_certificate
 from helix.spec import load_cluster
-from router.agents_io import AgentsIO
 from router.launch import AgentProcesses
+from router.pinned import PinnedClient
 
 SECRET = "curve-test-secret"
 PLACEMENT = {"a": (0, 16), "b": (16, 30)}
@@ -84,33 +85,25 @@ def keyed(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Iterat
 
 
 @pytest.fixture
-def coordinator(keyed: Keyed) -> Iterator[AgentsIO]:
-    with AgentsIO(keyed.agents.addresses(), secret=SECRET.encode(), curve=keyed.curve) as io:
-        assert io.wait_ready(timeout_s=30), io.agents()
-        keyed.data = {n: a.welcome.data_address for n, a in io.agents().items() if a.welcome is not None}
-        yield io
+def coordinator(keyed: Keyed) -> Iterator[PinnedClient]:
+    with PinnedClient(keyed.agents.addresses(), secret=SECRET.encode(), curve=keyed.curve) as client:
+        keyed.data = {n: a.welcome.data_address for n, a in client.io.agents().items() if a.welcome is not None}
+        yield client
 
 
-def generate(io: AgentsIO, prompts: list[list[int]], max_tokens: int = NEW_TOKENS) -> list[list[int]]:
-    import queue
-
-    events: queue.Queue[Any] = queue.Queue()
-    for i, prompt in enumerate(prompts):
-        io.submit(f"req-{i}-{time.monotonic_ns()}", prompt, wire.SamplingSpec(), PIPELINE, max_tokens=max_tokens,
-                  on_token=events.put)  # fmt: skip
-    got: dict[str, list[int]] = {}
-    order: list[str] = []
+def generate(client: PinnedClient, prompts: list[list[int]], max_tokens: int = NEW_TOKENS) -> list[list[int]]:
+    """Greedy tokens of ``prompts`` on ``PIPELINE``, all submitted at once."""
+    ids = [f"req-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        client.submit(request_id, prompt, PIPELINE, max_tokens=max_tokens, temperature=0.0)
+    got: dict[str, list[int]] = {r: [] for r in ids}
     finished = 0
     while finished < len(prompts):
-        event = events.get(timeout=120)
-        if event.request_id not in got:
-            got[event.request_id] = []
-            order.append(event.request_id)
-        assert event.error_code is None, event
-        if event.token_id is not None:
-            got[event.request_id].append(event.token_id)
-        finished += event.finished
-    return [got[r] for r in sorted(order, key=lambda r: int(r.split("-")[1]))]
+        out = client.outputs.get(timeout=120)
+        assert out.error is None, out
+        got[out.request_id].extend(out.token_ids)
+        finished += out.finished
+    return [got[r] for r in ids]
 
 
 def wait_for(predicate: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
@@ -129,14 +122,14 @@ def socket_as(ctx: zmq.Context[Any], kind: int, keys: tuple[bytes, bytes] | None
     return sock
 
 
-def test_curve_cluster_gives_the_greedy_tokens_of_transformers(coordinator: AgentsIO, smollm2_prompts: list[list[int]],
-                                                              hf_greedy: list[list[int]]) -> None:  # fmt: skip
+def test_curve_cluster_gives_the_greedy_tokens_of_transformers(
+        coordinator: PinnedClient, smollm2_prompts: list[list[int]], hf_greedy: list[list[int]]) -> None:  # fmt: skip
     # hf_greedy is what the same split gives without CURVE (test_agent.py checks that)
     assert generate(coordinator, smollm2_prompts[:3]) == hf_greedy[:3]
 
 
 def test_peers_without_the_right_key_are_refused_on_every_plane_and_logged(
-        keyed: Keyed, coordinator: AgentsIO, smollm2_prompts: list[list[int]], hf_greedy: list[list[int]],
+        keyed: Keyed, coordinator: PinnedClient, smollm2_prompts: list[list[int]], hf_greedy: list[list[int]],
         caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
     caplog.set_level(logging.WARNING)
     control_a = keyed.agents.addresses()["a"]
@@ -164,7 +157,7 @@ def test_peers_without_the_right_key_are_refused_on_every_plane_and_logged(
         # the coordinator's result sink: no CURVE, an unknown key
         for keys in (None, stranger):
             push = socket_as(ctx, zmq.PUSH, keys, keyed.curve.own.public)
-            push.connect(coordinator.reply_to)
+            push.connect(coordinator.io.reply_to)
             push.send_multipart(wire.encode(wire.Tokens("a", (wire.TokenOut("ghost", 0, 1, FinishReason.STOP),))),
                                 flags=zmq.NOBLOCK)  # fmt: skip
             pushes.append(push)
@@ -180,13 +173,13 @@ def test_peers_without_the_right_key_are_refused_on_every_plane_and_logged(
     assert "control plane of a: 'b''s key, which may not send on this plane" in log_a
     assert "data plane of b: a key not in the cluster file" in log_b
     assert "results plane of coordinator: a key not in the cluster file" in caplog.text
-    assert coordinator.rejected == 0  # nothing the refused peers sent reached the coordinator's decoder
+    assert coordinator.io.rejected == 0  # nothing the refused peers sent reached the coordinator's decoder
     # the agents keep serving
     assert generate(coordinator, smollm2_prompts[3:5]) == hf_greedy[3:5]
 
 
 def test_a_stolen_coordinator_key_cannot_send_results_outside_the_cluster(
-        keyed: Keyed, coordinator: AgentsIO, smollm2_prompts: list[list[int]], hf_greedy: list[list[int]]) -> None:
+        keyed: Keyed, coordinator: PinnedClient, smollm2_prompts: list[list[int]], hf_greedy: list[list[int]]) -> None:
     stolen = keyed.keys("coordinator")
     prompt = tuple(smollm2_prompts[0])
     ctx = zmq.Context()
@@ -209,10 +202,11 @@ def test_a_stolen_coordinator_key_cannot_send_results_outside_the_cluster(
         assert isinstance(reply(), wire.Welcome)  # the thief is a coordinator now
 
         stages = tuple(wire.StageRef(s, keyed.data[s.node]) for s in PIPELINE)
+        sink = coordinator.io.reply_to
         redirected = {
             "reply_to": (stages, OUTSIDE),
-            "stage address": ((stages[0], wire.StageRef(Stage("b", 16, 30), OUTSIDE)), coordinator.reply_to),
-            "not in the cluster file": ((stages[0], wire.StageRef(Stage("evil", 16, 30), OUTSIDE)), coordinator.reply_to),
+            "stage address": ((stages[0], wire.StageRef(Stage("b", 16, 30), OUTSIDE)), sink),
+            "not in the cluster file": ((stages[0], wire.StageRef(Stage("evil", 16, 30), OUTSIDE)), sink),
         }
         for i, (fragment, (pipeline, reply_to)) in enumerate(redirected.items()):
             dealer.send_multipart(wire.encode(wire.Admit(f"steal-{i}", prompt, 4, wire.SamplingSpec(), pipeline,
