@@ -6,8 +6,8 @@ ignored) all submitted at t=0 (offline throughput).
 
 * **one process**: a single ``StageEngine`` holding layers [0, 30), stepped in this process.
 * **three agents**: ``helix agent`` subprocesses (``router.launch``) holding [0, 10), [10, 20), [20, 30) on
-  loopback, driven through ``router.agents_io.AgentsIO`` (ADMIT, ACTIVATIONS node to node, TOKENS
-  to the coordinator, STEP back to the first stage).
+  loopback, driven through the coordinator core on that pipeline (``router.pinned.PinnedClient``: ADMIT,
+  ACTIVATIONS node to node, TOKENS to the coordinator, STEP back to the first stage).
 
 Figures: tokens/s (prompt + generated) and generated tokens/s, and the ratio agents / one process,
 in rounds (``bench/harness.py``): the agents start once, then each round runs both arms on a fresh
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import queue
 import random
 import sys
 import tempfile
@@ -46,7 +45,6 @@ from harness import (  # noqa: E402
 )
 from rich.progress import Progress  # noqa: E402
 
-from helix import wire  # noqa: E402
 from helix.domain import Stage  # noqa: E402
 from helix.processes import cpu_seconds as process_cpu_seconds  # noqa: E402
 from node_agent.backends import StageBackend  # noqa: E402
@@ -54,9 +52,8 @@ from node_agent.engine import StageEngine  # noqa: E402
 from node_agent.gguf_convert import cached_model_dir  # noqa: E402
 from node_agent.sampling import SamplingParams  # noqa: E402
 from node_agent.scheduler import SchedulerConfig  # noqa: E402
-from router.agent_events import TokenEvent  # noqa: E402
-from router.agents_io import AgentsIO  # noqa: E402
 from router.launch import AgentProcesses  # noqa: E402
+from router.pinned import PinnedClient  # noqa: E402
 
 console = make_console()
 SPLIT = {"a": (0, 10), "b": (10, 20), "c": (20, 30)}
@@ -106,17 +103,18 @@ def start_agents(model_dir: Path, root: Path, backend: str = "torch") -> AgentPr
     return agents
 
 
-def three_agents(io: AgentsIO, events: queue.Queue[TokenEvent], prompts: list[list[int]], tag: str) -> float:
+def three_agents(client: PinnedClient, prompts: list[list[int]], tag: str) -> float:
+    """Wall seconds of ``prompts`` (greedy) on the three agents, all submitted at once."""
     pipeline = [Stage(n, *r) for n, r in SPLIT.items()]
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
-        io.submit(f"{tag}-{i}", p, wire.SamplingSpec(), pipeline, max_tokens=OUTPUT_TOKENS)
+        client.submit(f"{tag}-{i}", p, pipeline, max_tokens=OUTPUT_TOKENS, temperature=0.0)
     done = 0
     while done < len(prompts):
-        event = events.get(timeout=300)
-        if event.error:
-            raise SystemExit(f"request {event.request_id} failed: {event.error}")
-        done += event.finished
+        out = client.outputs.get(timeout=300)
+        if out.error is not None:
+            raise SystemExit(f"request {out.request_id} failed: {out.error.message}")
+        done += out.finished
     return time.perf_counter() - t0
 
 
@@ -131,12 +129,10 @@ def section(model_dir: Path, quick: bool, rounds: int | None = None, progress: P
     log = RoundLog()
     with tempfile.TemporaryDirectory() as tmp:
         agents = start_agents(model_dir, Path(tmp), backend)
-        events: queue.Queue[TokenEvent] = queue.Queue()
         try:
-            with AgentsIO(agents.addresses(), secret=SECRET.encode(), dead_after_s=5.0, on_token=events.put) as io:
-                if not io.wait_ready(timeout_s=60 if backend == "torch" else 300):
-                    raise SystemExit(f"agents not ready: {io.agents()}")
-                three_agents(io, events, [[1, 2, 3]], "warm")  # first-call allocations on every stage
+            with PinnedClient(agents.addresses(), secret=SECRET.encode(), dead_after_s=5.0,
+                              ready_timeout_s=60 if backend == "torch" else 300) as client:  # fmt: skip
+                three_agents(client, [[1, 2, 3]], "warm")  # first-call allocations on every stage
                 one_process(model_dir, workload(2, seed=99), backend)  # warm-up
                 for r in log.each_round(rounds):
                     prompts = workload(n, seed=r)
@@ -144,7 +140,7 @@ def section(model_dir: Path, quick: bool, rounds: int | None = None, progress: P
                     for arm in arm_order(["3 agents", "one process"], r):
                         if arm == "3 agents":
                             cpu0 = sum(process_cpu_seconds(pid) for pid in agents.pids())
-                            secs = three_agents(io, events, prompts, f"r{r}")
+                            secs = three_agents(client, prompts, f"r{r}")
                             cpu = sum(process_cpu_seconds(pid) for pid in agents.pids()) - cpu0
                         else:
                             secs, cpu = one_process(model_dir, prompts, backend)

@@ -13,9 +13,10 @@ engine is reported.
 
 **agents**: ``bench/agents.py``'s comparison with every stage on the vLLM backend: three
 ``python -m node_agent --backend vllm`` subprocesses holding [0, 10), [10, 20), [20, 30) (one torch
-thread each), driven through ``router.agents_io.AgentsIO``, vs one ``StageEngine`` [0, 30) on the
-vLLM backend in this process (one torch thread); its workload (prompts U(32, 256), 32 output
-tokens, all at t = 0; 32 requests per round, 12 with ``--quick``), batch limits and ABBA rounds.
+thread each), driven through the coordinator core (``router.pinned.PinnedClient``), vs one
+``StageEngine`` [0, 30) on the vLLM backend in this process (one torch thread); its workload
+(prompts U(32, 256), 32 output tokens, all at t = 0; 32 requests per round, 12 with ``--quick``),
+batch limits and ABBA rounds.
 Target: throughput (tokens/s, wall clock) three agents ÷ one process ≥ 0.7, as for the torch engine.
 
 Run in the venv holding vLLM:
