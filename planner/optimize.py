@@ -64,7 +64,8 @@ from planner.graph import evaluate
 from planner.local_search import SERVING_MIN_GAIN, Evaluator, Scored, improve
 from planner.options import Objective, PlannerOptions
 from planner.progress import Progress, ProgressFn
-from planner.serving_model import ServingModel, Workload
+from planner.serving_model import ServingModel
+from planner.serving_workload import Workload
 from planner.simulated import Refined, Refinement, RunSimulation, SimScorer, Simulated, refine, simulable
 from planner.solvers import highs_version
 

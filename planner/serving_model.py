@@ -42,6 +42,9 @@ output tokens per request (Azure conversation trace means: 763 / 232):
   deep pipelines pay in W_p, thinly spread layers pay in KV. The convoy count and the wait
   share are fitted to the simulator on single24's placements (docs/planner-optimizer.md
   section 6, with how far off the estimate is).
+
+Here: the per-node timing and the fixed point; the paths in ``planner.serving_paths``, the LP in
+``planner.serving_lp``, the workload (P, D and the mechanisms' settings) in ``planner.serving_workload``.
 """
 
 from __future__ import annotations
@@ -50,48 +53,15 @@ import math
 from dataclasses import dataclass, field
 
 from helix.domain import Placement
-from helix.perf_model import (
-    DECODE_CONTEXT_PER_SLOT,
-    HOST_COPY_GB_PER_S,
-    PROMPT_SLOT_TOKENS,
-    host_copy_s_per_byte,
-    prompts_per_iteration,
-)
+from helix.perf_model import host_copy_s_per_byte, prompts_per_iteration
 from planner.budget import Deadline
 from planner.capacity import CapacityModel
-from planner.graph import hands_off
-from planner.solvers import Model
+from planner.serving_lp import binding, kv_fill, requests_lp
+from planner.serving_paths import Routes, decompose, fastest_paths
+from planner.serving_workload import Workload
 
-MAX_PATHS = 400
 MAX_PREFILL_BUSY = 0.9
 FIRST_LP_MIN_S = 0.5  # the first round's LP may run this long past a deadline (it takes ms)
-
-
-@dataclass(slots=True, frozen=True)
-class Workload:
-    prompt_tokens: float = 763.0
-    output_tokens: float = 232.0
-    kv_watermark: float = 0.8  # the feeder admits while the fullest layer's KV (summed over its holders) is below this
-    kv_node_watermark: float = 0.85  # the router masks a node whose own KV estimate would pass this (router.kv)
-    reserve_tokens: float | None = None  # KV reserved per request per layer; None = prompt + output
-    prompt_counts_in_tok_s: bool = False  # True: T_i(k) caps prompt+decode tokens; False: decode only
-    compute: str = "curves"  # "curves": node time from the latency curves when profiled; "tok_s": T_i(k)
-    mixed_batches: bool = True  # iterations mix prefill and decode tokens (else: prefill inflation)
-    routing: str = "flows"  # "flows": split as the max-flow paths (IWRR); "free": LP picks paths
-    fixed_hop_ms: float = 0.0  # per-hop overhead not in the link latency
-    # how decodes batch (fitted to the simulator on single24's placements, docs/planner-optimizer.md section 6):
-    # requests move in convoys, convoys_per_width of them per parallel node of the widest layer; a decode waits
-    # wait_share of the residual of the iteration in progress; a node runs at most busy_max of the time
-    convoys_per_width: float = 5.0
-    wait_share: float = 0.7
-    busy_max: float = 0.9
-    prompt_cv: float = 0.66  # prompt length's coefficient of variation (the Azure conversation mix: 0.66)
-    # the paper's vLLM nodes (issue 21; helix.perf_model, as the simulator's defaults): whole prompts per iteration
-    # <= prompt_max_tokens // prompt_slot_tokens, decodes' contexts <= decode_max x decode_context_per_slot, and
-    # the bytes a node receives copied to the GPU at each of host_copy_gb_per_s; None / (): off
-    prompt_slot_tokens: int | None = PROMPT_SLOT_TOKENS
-    decode_context_per_slot: float | None = DECODE_CONTEXT_PER_SLOT
-    host_copy_gb_per_s: tuple[float, ...] = HOST_COPY_GB_PER_S
 
 
 @dataclass(slots=True)
@@ -103,39 +73,6 @@ class ServingEstimate:
     mean_hops: float
     binding: str  # "compute" | "kv" | "links" | "none"
     path_flows: list[tuple[list[str], float]] = field(default_factory=list)  # (nodes, decode tok/s)
-
-
-def _decompose(flows: dict[tuple[str, str], float], coord: str) -> list[tuple[list[str], float]]:
-    # rounded, and ties broken by name, so the paths do not depend on float noise in the flows
-    rest = {e: round(f, 3) for e, f in flows.items() if f > 1e-3}
-    out_edges: dict[str, list[str]] = {}
-    for a, b in rest:
-        out_edges.setdefault(a, []).append(b)
-    paths: list[tuple[list[str], float]] = []
-    while len(paths) < MAX_PATHS:
-        v, amount = coord, float("inf")
-        path: list[str] = []
-        steps = 0
-        while True:
-            nxt = [w for w in out_edges.get(v, []) if rest.get((v, w), 0.0) > 1e-6]
-            if not nxt or steps > 10_000:
-                path = []
-                break
-            w = max(nxt, key=lambda cand: (rest[(v, cand)], cand))  # noqa: B023 - used at once
-            amount = min(amount, rest[(v, w)])
-            steps += 1
-            if w == coord:
-                break
-            path.append(w)
-            v = w
-        if not path:
-            break
-        prev = coord
-        for node in [*path, coord]:
-            rest[(prev, node)] -= amount
-            prev = node
-        paths.append((path, amount))
-    return paths
 
 
 class ServingModel:
@@ -252,82 +189,13 @@ class ServingModel:
         link = self.cap.activation_link_tok_s(a, b)
         return tokens / link if link else 0.0
 
-    def _layer_segments(self, placement: Placement) -> tuple[list[tuple[tuple[int, int], list[str]]], dict[tuple[int, int], float]]:
-        """Layer segments with their holders, and KV entries per layer of each (summed over the
-        holders, each node's KV spread evenly over its layers, as ``router.kv`` counts it)."""
-        segments = _segments_of(placement)
-        kv = {}
-        for seg, holders in segments:
-            total = 0.0
-            for n in holders:
-                s, e = placement[n]
-                total += self.cap.kind(n).kv_entries[e - s - 1] / (e - s)
-            kv[seg] = total
-        return segments, kv
-
-    # paths ---------------------------------------------------------------------------
-
-    def _layers_run(self, placement: Placement, path: list[str]) -> list[int]:
-        out, done = [], 0
-        for node in path:
-            s, e = placement[node]
-            out.append(e - max(s, done))
-            done = e
-        return out
-
     def short_paths(self, placement: Placement) -> list[list[str]]:
-        """For every node, the lowest-latency source->sink path through it (DP on the DAG)."""
-        cap, coord, L = self.cap, self.cap.coordinator, self.cap.num_layers
+        """For every node, the lowest-latency source->sink path through it (decodes of 8)."""
+        L = self.cap.num_layers
         cost = {n: self.decode_s(n, e - s, 8.0, e == L) for n, (s, e) in placement.items()}
-        order = sorted(placement, key=lambda n: placement[n][1])
-        fwd: dict[str, tuple[float, str | None]] = {}
-        for n in order:
-            s, e = placement[n]
-            best: tuple[float, str | None] = (float("inf"), None)
-            if s == 0 and cap.link_latency_ms(coord, n) is not None:
-                best = (self.link_s(coord, n), None)
-            for m in order:
-                if placement[m][1] >= e:
-                    break
-                if m in fwd and hands_off(placement[m], placement[n], True) and cap.link_latency_ms(m, n) is not None:
-                    c = fwd[m][0] + cost[m] + self.link_s(m, n)
-                    if c < best[0]:
-                        best = (c, m)
-            if best[0] < float("inf"):
-                fwd[n] = best
-        bwd: dict[str, tuple[float, str | None]] = {}
-        for n in reversed(order):
-            s, e = placement[n]
-            best = (float("inf"), None)
-            if e == L and cap.link_latency_ms(n, coord) is not None:
-                best = (self.link_s(n, coord) + cost[n], None)
-            for m in order:
-                if m in bwd and hands_off(placement[n], placement[m], True) and cap.link_latency_ms(n, m) is not None:
-                    c = bwd[m][0] + cost[n] + self.link_s(n, m)
-                    if c < best[0]:
-                        best = (c, m)
-            if best[0] < float("inf"):
-                bwd[n] = best
-        paths: list[list[str]] = []
-        for n in placement:
-            if n not in fwd or n not in bwd:
-                continue
-            head: list[str] = []
-            v: str | None = fwd[n][1]
-            while v is not None:
-                head.append(v)
-                v = fwd[v][1]
-            tail: list[str] = []
-            v = bwd[n][1]
-            while v is not None:
-                tail.append(v)
-                v = bwd[v][1]
-            p = [*reversed(head), n, *tail]
-            if p not in paths:
-                paths.append(p)
-        return paths
+        return fastest_paths(self.cap, placement, cost, self.link_s)
 
-    # the estimate --------------------------------------------------------------------
+    # the estimate: a fixed point of the batches nodes see and the LP of requests in flight ---
 
     def estimate(
         self, placement: Placement, flows: dict[tuple[str, str], float], max_flow: float, *, iterations: int = 10,
@@ -335,180 +203,124 @@ class ServingModel:
     ) -> ServingEstimate:
         """The estimate after ``iterations`` rounds of the batch fixed point; past ``deadline``
         it returns the last round's (at least the first round runs: one LP of milliseconds)."""
-        cap, w, coord = self.cap, self.w, self.cap.coordinator
         if max_flow <= 0:
             return ServingEstimate(0.0, max_flow, 0.0, 0.0, 0.0, "none")
-        decomposed = _decompose(flows, coord)
-        paths = [p for p, _ in decomposed]
-        weights = [f for _, f in decomposed]
-        if w.routing == "free":
-            for p in self.short_paths(placement):
-                if p not in paths:
-                    paths.append(p)
-        runs = [self._layers_run(placement, p) for p in paths]
-        tokens_per_decode = (w.prompt_tokens + w.output_tokens) / w.output_tokens
-        riding_per_decode = tokens_per_decode if w.mixed_batches else 1.0
-        t_row = tokens_per_decode if w.prompt_counts_in_tok_s else 1.0
-        ctx = w.reserve_tokens if w.reserve_tokens is not None else w.prompt_tokens + w.output_tokens
-        segments, layer_kv = self._layer_segments(placement)
-        rel, width = _convoy_shape(flows)
-        batch = {n: 8.0 for n in placement}
-        last = {n: e == cap.num_layers for n, (_, e) in placement.items()}  # pays head_ms
+        routes = self._routes(placement, flows)
+        batch = {n: 8.0 for n in placement}  # decodes per iteration, by node
         busy_prefill = {n: 0.0 for n in placement}  # share of a node's time spent on prefills
         result = ServingEstimate(0.0, max_flow, 0.0, 0.0, 0.0, "none")
         for it in range(iterations):
             if it > 0 and deadline is not None and deadline.expired():
                 break
-            taus, times = [], []
-            for p, r in zip(paths, runs, strict=True):
-                # a decode step waits for the whole iteration, prefill chunks included
-                # a decode waits for the iteration in progress, then rides the next (prefills included)
-                hop = [
-                    self.visit_s(n, lr, batch[n], last[n], j == 0, len(p) == 1)
-                    / (1.0 - (0.0 if w.mixed_batches else busy_prefill[n]))
-                    for j, (n, lr) in enumerate(zip(p, r, strict=True))
-                ]
-                lat = self.link_s(coord, p[0]) + self.link_s(p[-1], coord)
-                lat += sum(self.link_s(a, b) for a, b in zip(p, p[1:], strict=False))
-                # the convoy crosses each hop as one message: its decodes' and riding prompts' activations / bandwidth
-                lat += sum(self.transfer_s(a, b, batch[a] * riding_per_decode) for a, b in zip(p, p[1:], strict=False))
-                pre = sum(self.prefill_s(n, lr, last[n]) + self.copy_s(w.prompt_tokens, first=j == 0)
-                          for j, (n, lr) in enumerate(zip(p, r, strict=True))) + lat  # fmt: skip
-                wp = sum(hop) + lat
-                taus.append(wp + pre / w.output_tokens)
-                times.append((wp, hop))
-            m = Model(maximize=True)
-            rows_kind_pre: list[str] = []
-            cols = [m.add_col(0.0, cost=1.0 / tau) for tau in taus]
-            if w.routing == "flows":  # the router splits requests in proportion to the plan's flows
-                alpha = m.add_col(0.0)
-                for j, c in enumerate(cols):
-                    m.add_row([c, alpha], [1.0 / taus[j], -weights[j]], 0.0, 0.0)
-                    rows_kind_pre.append("split")
-            through: dict[str, list[int]] = {}
-            over: dict[tuple[str, str], list[int]] = {}
-            for j, p in enumerate(paths):
-                for n in p:
-                    through.setdefault(n, []).append(j)
-                for link in zip([coord, *p], [*p, coord], strict=True):
-                    over.setdefault(link, []).append(j)
-            rows_kind: list[str] = rows_kind_pre
-            for n, js in through.items():
-                s, e = placement[n]
-                g = cap.kind(n)
-                if w.compute == "curves" and g.curves is not None:
-                    # busy seconds per decode token: prefill share + this token's share of a batch step
-                    vals = []
-                    for j in js:
-                        at = paths[j].index(n)
-                        lr = runs[j][at]
-                        per_tok = ((self.prefill_s(n, lr, last[n]) + self.copy_s(w.prompt_tokens, first=at == 0))
-                                   / w.output_tokens
-                                   + self.step_s(n, lr, batch[n], last[n], at == 0, len(paths[j]) == 1) / batch[n])
-                        vals.append(per_tok / taus[j])
-                    m.add_row([cols[j] for j in js], vals, hi=1.0)
-                    rows_kind.append("compute")
-                m.add_row([cols[j] for j in js], [t_row / taus[j] for j in js], hi=cap.node_capacity(n, e - s))
-                rows_kind.append("compute")
-                kv = cap.kind(n).kv_entries[e - s - 1] * w.kv_node_watermark
-                vals = [ctx * runs[j][paths[j].index(n)] for j in js]
-                m.add_row([cols[j] for j in js], vals, hi=kv)
-                rows_kind.append("kv")
-            # the feeder: every layer's KV, summed over its holders (each node's spread evenly over its layers)
-            for seg, holders in segments:
-                coef: dict[int, float] = {}
-                for n in holders:
-                    k = placement[n][1] - placement[n][0]
-                    for j in through.get(n, []):
-                        coef[j] = coef.get(j, 0.0) + ctx * runs[j][paths[j].index(n)] / k
-                if coef:
-                    m.add_row([cols[j] for j in coef], list(coef.values()), hi=w.kv_watermark * layer_kv[seg])
-                    rows_kind.append("kv")
-            for (a, b), js in over.items():
-                capl = cap.token_link_tok_s(a, b) if coord in (a, b) else cap.activation_link_tok_s(a, b)
-                if capl is None:
-                    capl = 0.0
-                m.add_row([cols[j] for j in js], [tokens_per_decode / taus[j]] * len(js), hi=capl)
-                rows_kind.append("links")
+            taus, round_trips = self._seconds_per_token(routes, batch, busy_prefill)
+            lp, kinds = requests_lp(self.cap, self.w, routes, taus, self._busy_per_decode(routes, batch))
             limit = 10.0 if deadline is None else max(FIRST_LP_MIN_S if it == 0 else 0.0, deadline.solver_limit(10.0))
-            sol = m.solve(time_limit_s=limit)
+            sol = lp.solve(time_limit_s=limit)
             if not sol.x:
                 return result
             n_p = sol.x
-            binding = _binding(m, n_p, rows_kind)
-            # Offline serving fills KV up to the watermark (the router admits while it fits), so
-            # the batches nodes see come from the KV-full population, not the LP's minimum.
-            fill = float("inf")
-            for (idx, val, _, hi), kind in zip(m.rows, rows_kind, strict=True):
-                if kind == "kv":
-                    used = sum(v * n_p[i] for i, v in zip(idx, val, strict=True))
-                    if used > 1e-9:
-                        fill = min(fill, hi / used)
-            fill = 1.0 if fill == float("inf") else max(1.0, fill)
-            # the batch a node sees: a convoy (the requests in flight over the convoys), a node's share of it
-            # where parallel nodes split it unevenly; at least what arrives while it runs its busiest
-            convoy = fill * sum(n_p) / (w.convoys_per_width * width)
-            decodes_per_s: dict[str, float] = {}
-            step: dict[str, float] = {}
-            for j, p in enumerate(paths):
-                for at, (n, lr) in enumerate(zip(p, runs[j], strict=True)):
-                    decodes_per_s[n] = decodes_per_s.get(n, 0.0) + fill * n_p[j] / taus[j]
-                    step[n] = self.step_s(n, lr, batch[n], last[n], at == 0, len(p) == 1)
-            new_batch = {n: 1.0 for n in placement}
-            for n, rate in decodes_per_s.items():
-                new_batch[n] = max(1.0, convoy * rel.get(n, 1.0), rate * step[n] / w.busy_max)
-            batch = {n: max(1.0, 0.5 * batch[n] + 0.5 * new_batch[n]) for n in placement}
-            new_busy = {n: 0.0 for n in placement}
-            for j, p in enumerate(paths):
-                lam = n_p[j] / taus[j] / w.output_tokens  # requests/s on this path
-                for n, lr in zip(p, runs[j], strict=True):
-                    new_busy[n] += lam * self.prefill_s(n, lr, last[n])
-            busy_prefill = {n: min(MAX_PREFILL_BUSY, 0.5 * busy_prefill[n] + 0.5 * new_busy[n]) for n in placement}
-            total_n = sum(n_p)
-            y = [n_p[j] / taus[j] for j in range(len(paths))]
-            ysum = sum(y)
-            result = ServingEstimate(
-                decode_tok_s=ysum,
-                max_flow_tok_s=max_flow,
-                requests_in_flight=total_n,
-                mean_round_trip_ms=1000 * sum(times[j][0] * y[j] for j in range(len(y))) / ysum if ysum else 0.0,
-                mean_hops=sum(len(paths[j]) * y[j] for j in range(len(y))) / ysum if ysum else 0.0,
-                binding=binding,
-                path_flows=[(paths[j], y[j]) for j in range(len(y)) if y[j] > 1e-9],
-            )
+            result = _summary(routes, max_flow, n_p, taus, round_trips, binding(lp, n_p, kinds))
+            batch = self._next_batches(routes, batch, n_p, taus, kv_fill(lp, n_p, kinds))
+            busy_prefill = self._next_prefill_busy(routes, busy_prefill, n_p, taus)
         return result
 
+    def _routes(self, placement: Placement, flows: dict[tuple[str, str], float]) -> Routes:
+        """The paths requests take: the flows' decomposition (and, ``routing="free"``, every node's fastest)."""
+        decomposed = decompose(flows, self.cap.coordinator)
+        paths = [p for p, _ in decomposed]
+        weights = [f for _, f in decomposed]
+        if self.w.routing == "free":
+            for p in self.short_paths(placement):
+                if p not in paths:
+                    paths.append(p)
+        return Routes.build(self.cap, placement, flows, paths, weights)
 
-def _convoy_shape(flows: dict[tuple[str, str], float]) -> tuple[dict[str, float], float]:
-    """How the flows split convoys at forks: ``width``, the largest participation ratio
-    ``(sum f)^2 / sum f^2`` of any vertex's out-flows, the coordinator's included (3 for a node
-    feeding three parallel nodes equally, ~1 where one next hop carries nearly all), and per
-    node ``min(1, width x its largest share of a predecessor's out-flow)``: 1 for a node of an
-    even split, less for one that gets a small part of every convoy."""
-    out: dict[str, list[tuple[str, float]]] = {}
-    for (src, dst), f in flows.items():
-        if f > 0:
-            out.setdefault(src, []).append((dst, f))
-    width = 1.0
-    share: dict[str, float] = {}
-    for hops in out.values():
-        total = sum(f for _, f in hops)
-        width = max(width, total * total / sum(f * f for _, f in hops))
-        for dst, f in hops:
-            share[dst] = max(share.get(dst, 0.0), f / total)
-    return {n: min(1.0, width * x) for n, x in share.items()}, width
+    def _seconds_per_token(self, routes: Routes, batch: dict[str, float],
+                           busy_prefill: dict[str, float]) -> tuple[list[float], list[float]]:
+        """Per path: ``tau_p`` (seconds a request spends per decode token, its prefill amortised) and
+        ``W_p`` (the per-token round trip), at the nodes' current batches."""
+        w, coord = self.w, self.cap.coordinator
+        riding_per_decode = (w.prompt_tokens + w.output_tokens) / w.output_tokens if w.mixed_batches else 1.0
+        last = routes.last
+        taus, round_trips = [], []
+        for p, r in zip(routes.paths, routes.runs, strict=True):
+            # a decode waits for the iteration in progress, then rides the next (prefills included)
+            hop = [
+                self.visit_s(n, lr, batch[n], last[n], j == 0, len(p) == 1)
+                / (1.0 - (0.0 if w.mixed_batches else busy_prefill[n]))
+                for j, (n, lr) in enumerate(zip(p, r, strict=True))
+            ]
+            lat = self.link_s(coord, p[0]) + self.link_s(p[-1], coord)
+            lat += sum(self.link_s(a, b) for a, b in zip(p, p[1:], strict=False))
+            # the convoy crosses each hop as one message: its decodes' and riding prompts' activations / bandwidth
+            lat += sum(self.transfer_s(a, b, batch[a] * riding_per_decode) for a, b in zip(p, p[1:], strict=False))
+            pre = sum(self.prefill_s(n, lr, last[n]) + self.copy_s(w.prompt_tokens, first=j == 0)
+                      for j, (n, lr) in enumerate(zip(p, r, strict=True))) + lat  # fmt: skip
+            wp = sum(hop) + lat
+            taus.append(wp + pre / w.output_tokens)
+            round_trips.append(wp)
+        return taus, round_trips
+
+    def _busy_per_decode(self, routes: Routes, batch: dict[str, float]) -> dict[str, list[float]]:
+        """Per node with latency curves, for each path through it: busy seconds per decode token
+        (its share of the prefill and of a batch step)."""
+        w, last = self.w, routes.last
+        out: dict[str, list[float]] = {}
+        for n, js in routes.through.items():
+            if w.compute != "curves" or self.cap.kind(n).curves is None:
+                continue
+            vals = []
+            for j in js:
+                at = routes.paths[j].index(n)
+                lr = routes.runs[j][at]
+                vals.append((self.prefill_s(n, lr, last[n]) + self.copy_s(w.prompt_tokens, first=at == 0))
+                            / w.output_tokens
+                            + self.step_s(n, lr, batch[n], last[n], at == 0, len(routes.paths[j]) == 1) / batch[n])
+            out[n] = vals
+        return out
+
+    def _next_batches(self, routes: Routes, batch: dict[str, float], n_p: list[float], taus: list[float],
+                      fill: float) -> dict[str, float]:
+        """The batch each node sees next round: a convoy (the requests in flight, KV-full, over the
+        convoys), a node's share of it where parallel nodes split it unevenly; at least what arrives
+        while it runs its busiest; damped by half."""
+        w = self.w
+        convoy = fill * sum(n_p) / (w.convoys_per_width * routes.convoy_width)
+        decodes_per_s: dict[str, float] = {}
+        step: dict[str, float] = {}
+        for j, p in enumerate(routes.paths):
+            for at, (n, lr) in enumerate(zip(p, routes.runs[j], strict=True)):
+                decodes_per_s[n] = decodes_per_s.get(n, 0.0) + fill * n_p[j] / taus[j]
+                step[n] = self.step_s(n, lr, batch[n], routes.last[n], at == 0, len(p) == 1)
+        new_batch = {n: 1.0 for n in routes.placement}
+        for n, rate in decodes_per_s.items():
+            new_batch[n] = max(1.0, convoy * routes.convoy_share.get(n, 1.0), rate * step[n] / w.busy_max)
+        return {n: max(1.0, 0.5 * batch[n] + 0.5 * new_batch[n]) for n in routes.placement}
+
+    def _next_prefill_busy(self, routes: Routes, busy_prefill: dict[str, float], n_p: list[float],
+                           taus: list[float]) -> dict[str, float]:
+        """The share of each node's time its prefills take next round (damped by half)."""
+        new_busy = {n: 0.0 for n in routes.placement}
+        for j, p in enumerate(routes.paths):
+            lam = n_p[j] / taus[j] / self.w.output_tokens  # requests/s on this path
+            for n, lr in zip(p, routes.runs[j], strict=True):
+                new_busy[n] += lam * self.prefill_s(n, lr, routes.last[n])
+        return {n: min(MAX_PREFILL_BUSY, 0.5 * busy_prefill[n] + 0.5 * new_busy[n]) for n in routes.placement}
 
 
-def _segments_of(placement: Placement) -> list[tuple[tuple[int, int], list[str]]]:
-    """The placement's layers cut at every range boundary, each with the nodes holding it."""
-    cuts = sorted({x for s, e in placement.values() for x in (s, e)})
-    return [((a, b), [n for n, (s, e) in placement.items() if s <= a and e >= b]) for a, b in zip(cuts, cuts[1:], strict=False)]
-
-
-def _binding(m: Model, x: list[float], kinds: list[str]) -> str:
-    tight: dict[str, int] = {}
-    for (idx, val, _, hi), kind in zip(m.rows, kinds, strict=True):
-        act = sum(v * x[i] for i, v in zip(idx, val, strict=True))
-        if hi > 0 and act >= hi * (1 - 1e-6):
-            tight[kind] = tight.get(kind, 0) + 1
-    return max(tight, key=lambda k: tight[k]) if tight else "none"
+def _summary(routes: Routes, max_flow: float, n_p: list[float], taus: list[float], round_trips: list[float],
+             binding_kind: str) -> ServingEstimate:
+    """One round's estimate: decode tokens/s per path (``n_p / tau_p``) and their means."""
+    paths = routes.paths
+    total_n = sum(n_p)
+    y = [n_p[j] / taus[j] for j in range(len(paths))]
+    ysum = sum(y)
+    return ServingEstimate(
+        decode_tok_s=ysum,
+        max_flow_tok_s=max_flow,
+        requests_in_flight=total_n,
+        mean_round_trip_ms=1000 * sum(round_trips[j] * y[j] for j in range(len(y))) / ysum if ysum else 0.0,
+        mean_hops=sum(len(paths[j]) * y[j] for j in range(len(y))) / ysum if ysum else 0.0,
+        binding=binding_kind,
+        path_flows=[(paths[j], y[j]) for j in range(len(y)) if y[j] > 1e-9],
+    )

@@ -68,7 +68,8 @@ def test_the_decode_floor_leaves_curves_measured_from_batch_one_alone() -> None:
 
 def test_planner_prices_a_lone_decode_as_the_simulator_does() -> None:
     from planner.capacity import CapacityModel
-    from planner.serving_model import ServingModel, Workload
+    from planner.serving_model import ServingModel
+    from planner.serving_workload import Workload
     from simulator.engine import SimConfig, Simulation
 
     cluster, profiles, plan = _two_node_case(decode=PAPER_A100_DECODE, prefill=[(0, 0.0), (250, 2.0)])
@@ -143,7 +144,8 @@ def test_planner_and_simulator_price_one_iteration_alike() -> None:
     from helix.profile import GpuProfile, ModelProfile, ProfileSet, ThroughputProfile
     from helix.spec import ClusterSpec
     from planner.capacity import CapacityModel
-    from planner.serving_model import ServingModel, Workload
+    from planner.serving_model import ServingModel
+    from planner.serving_workload import Workload
     from simulator.engine import SimConfig, Simulation
 
     model = ModelProfile(num_layers=4, hidden_size=8, layer_weight_bytes=1.0, kv_bytes_per_token_per_layer=1.0)

@@ -14,7 +14,8 @@ from planner.capacity import CapacityModel
 from planner.flows import balanced_flows, judge_flows
 from planner.graph import max_flow_value
 from planner.local_search import Evaluator
-from planner.serving_model import ServingModel, Workload
+from planner.serving_model import ServingModel
+from planner.serving_workload import Workload
 
 # single24's default plan before issue 21's step 3: T4 triplets where the max flow needs two of three
 TRIPLETS = {"a100-6": (0, 10), "a100-9": (10, 20), "a100-10": (20, 30), "a100-17": (30, 40),
