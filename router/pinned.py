@@ -5,11 +5,14 @@ their layers from their WELCOMEs, and runs each request on the stages given — 
 masking, no failover (a dead stage fails the request). Tests and benches use it to drive chosen
 splits; ``helix serve`` uses the routed :class:`router.coordinator.Coordinator` instead. Outputs
 (:class:`router.request.RequestOutput`, tokens only) go to ``outputs``, a thread-safe queue.
+Sampling is greedy unless ``submit`` says otherwise. Request ids must not repeat against the same
+agents (an attempt's wire id is ``<request id>.<attempt>``): the server's coordinator draws random ones.
 """
 
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -40,6 +43,8 @@ class PinnedClient:
         self.events: queue.Queue[AgentEvent] = queue.Queue()  # joins and deaths, for tests that watch them
         self.ready_timeout_s = ready_timeout_s
         self.driver: CoreDriver | None = None
+        self._early: list[AgentEvent] = []  # events before the core exists (replayed by start())
+        self._lock = threading.Lock()
         self.io = AgentsIO(dict(agents), secret=secret, dead_after_s=dead_after_s, curve=curve, on_event=self._on_event,
                            **io_options)  # fmt: skip
 
@@ -66,7 +71,10 @@ class PinnedClient:
         driver = CoreDriver(CoordinatorCore(router), self._put)
         driver.attach(self.io)
         driver.feed(AgentJoined(n, w) for n, w in welcomes.items())
-        self.driver = driver
+        with self._lock:
+            driver.feed(e for e in self._early if not isinstance(e, AgentJoined))  # a death while starting
+            self._early.clear()
+            self.driver = driver
         return self
 
     def close(self) -> None:
@@ -77,16 +85,21 @@ class PinnedClient:
             self.outputs.put(out)
 
     def _on_event(self, event: AgentEvent) -> None:  # the I/O thread
+        with self._lock:
+            if self.driver is None:
+                self._early.append(event)
+            else:
+                self.driver.on_event(event)
         if not isinstance(event, wire.Tokens | wire.Refused):
-            self.events.put(event)
-        if self.driver is not None:
-            self.driver.on_event(event)
+            self.events.put(event)  # after the core has it: a caller that sees a join may submit at once
 
     def submit(self, request_id: str, prompt_ids: Sequence[int], pipeline: Pipeline | Iterable[Stage], *,
                max_tokens: int, **params: Any) -> None:
-        """Run ``prompt_ids`` on ``pipeline``; ``params``: :class:`GenerationRequest`'s sampling fields."""
+        """Run ``prompt_ids`` on ``pipeline``; ``params``: :class:`GenerationRequest`'s sampling fields
+        (greedy unless ``temperature`` is given)."""
         assert self.driver is not None, "start() first"
         stages = pipeline.stages if isinstance(pipeline, Pipeline) else tuple(pipeline)
+        params.setdefault("temperature", 0.0)
         gen = GenerationRequest(prompt_ids=list(prompt_ids), max_tokens=max_tokens, **params)
         self.driver.add(Request(request_id, gen, arrival_s=time.monotonic(), detok=NoText(), stops=StopMatcher(()),
                                 pinned=Pipeline(stages)))  # fmt: skip
