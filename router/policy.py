@@ -37,7 +37,8 @@ def plan_flows(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet | None) ->
         return {(e.src, e.dst): e.tok_s for e in plan.flows}
     if profiles is None:
         raise ConfigError("the plan has no flows; give the profiles so they can be computed", field="flows")
-    from planner.graph import CapacityModel, evaluate
+    from planner.capacity import CapacityModel
+    from planner.graph import evaluate
 
     result = evaluate(
         CapacityModel.build(cluster, profiles), dict(plan.placement), partial_handoffs=plan.partial_handoffs, with_cut=False
