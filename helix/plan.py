@@ -47,7 +47,7 @@ class Plan(BaseModel):
     bound_method: str | None = Field(default=None, description="how the upper bound was proven")
     flows: list[FlowEdge] = Field(default=[], description="tokens/s on every link that carries flow")
     bottleneck: list[str] = Field(default=[], description="a minimum cut: the nodes and links that limit the max flow")
-    status: str = Field(default="feasible", description="optimal | max_flow_optimal | bound_gap | feasible | heuristic | ...")
+    status: str = Field(default="feasible", description="optimal | max_flow_optimal | feasible | heuristic | ...")
     stop_reason: str | None = Field(
         default=None, description="why the search stopped: bound_met | stalled | time_limit (absent: no search)"
     )
