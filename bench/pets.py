@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 from harness import RoundLog, Target, add_rounds_option, arm_order, make_console, report  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from node_agent import pets  # noqa: E402
+from node_agent import pets, task_ops  # noqa: E402
 from node_agent.config import ModelConfig  # noqa: E402
 from node_agent.engine import StageEngine  # noqa: E402
 from node_agent.gguf_convert import cached_model_dir  # noqa: E402
@@ -150,12 +150,12 @@ def run_one_task_at_a_time(engine: StageEngine, requests: list[Request], tag: st
 @contextmanager
 def per_task_lora() -> Iterator[None]:
     """The PyTorch per-task LoRA path: the batched ``lora_segments`` kernel off."""
-    kernel = pets._lora_kernel
-    pets._lora_kernel = lambda y, x: None  # type: ignore[assignment]
+    kernel = task_ops._lora_kernel
+    task_ops._lora_kernel = lambda y, x: None  # type: ignore[assignment]
     try:
         yield
     finally:
-        pets._lora_kernel = kernel
+        task_ops._lora_kernel = kernel
 
 
 def comparison(title: str, rounds: int, arms: dict[str, Callable[[int], tuple[float, int]]],

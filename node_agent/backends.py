@@ -23,7 +23,7 @@ import torch
 from helix.errors import EngineError
 from node_agent.config import ModelConfig, load_config
 from node_agent.model import Segment
-from node_agent.pets import TaskRows
+from node_agent.task_ops import TaskRows
 
 BACKENDS = ("torch", "vllm")
 DEVICES = ("cpu", "cuda")

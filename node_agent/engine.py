@@ -30,9 +30,11 @@ from node_agent.config import ModelConfig, load_config
 from node_agent.grammar import GrammarTokenizer
 from node_agent.kv_cache import KVAccount, KVUsage, RequestKV
 from node_agent.model import Segment
-from node_agent.pets import StageTask, TaskPET, TaskRows, bind_task
+from node_agent.pets import TaskPET
 from node_agent.sampling import RequestSampler, SamplingParams, finish_reason
 from node_agent.scheduler import Batch, Scheduler, SchedulerConfig
+from node_agent.stage_task import StageTask, bind_task
+from node_agent.task_ops import TaskRows
 from node_agent.weights import load_tensors
 
 

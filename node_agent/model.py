@@ -8,7 +8,7 @@ computed, the rest pass through untouched. The stage that holds layer 0 owns the
 embedding; the stage that holds the last layer owns the final norm and the LM head.
 
 A request may belong to a fine-tuned *task* (``Segment.task``): the shared ops still run once
-over every row, then each task's PET op runs on its rows (:mod:`node_agent.pets`). A step with no
+over every row, then each task's PET op runs on its rows (:mod:`node_agent.task_ops`). A step with no
 task rows runs exactly the base path.
 """
 
@@ -21,10 +21,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from node_agent import native, pets
+from node_agent import native, task_ops
 from node_agent.config import ModelConfig, RopeConfig
 from node_agent.kernels import Linear
 from node_agent.kv_cache import RequestKV
+from node_agent.stage_task import StageTask
 from node_agent.weights import EMBED, FINAL_NORM, LAYER_TENSORS, LM_HEAD
 
 
@@ -90,7 +91,7 @@ class Segment:
     first_position: int
     layer_start: int
     layer_end: int
-    task: pets.StageTask | None = None  # the fine-tuned task the request runs, None for the base model
+    task: StageTask | None = None  # the fine-tuned task the request runs, None for the base model
 
     @property
     def num_tokens(self) -> int:
@@ -145,14 +146,14 @@ class StageModel:
         assert self.embed_tokens is not None, "embed() on a stage that does not hold layer 0"
         return F.embedding(token_ids.to(self.device), self.embed_tokens)
 
-    def logits(self, hidden: torch.Tensor, tasks: pets.TaskRows | None = None) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, tasks: task_ops.TaskRows | None = None) -> torch.Tensor:
         """Final norm + LM head on ``hidden`` rows ``[n, hidden_size]`` -> float32 CPU ``[n, vocab]``;
         ``tasks`` (rows of ``hidden``) add their BitFit biases of the final norm and the LM head."""
         assert self.final_norm is not None and self.lm_head is not None, "logits() on a non-last stage"
         if tasks is None:
             return self.lm_head(rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)).to("cpu", torch.float32)
-        normed = pets.add_head_biases(rms_norm(hidden, self.final_norm, self.config.rms_norm_eps), tasks, "norm")
-        return pets.add_head_biases(self.lm_head(normed), tasks, "lm_head").to("cpu", torch.float32)
+        normed = task_ops.add_head_biases(rms_norm(hidden, self.final_norm, self.config.rms_norm_eps), tasks, "norm")
+        return task_ops.add_head_biases(self.lm_head(normed), tasks, "lm_head").to("cpu", torch.float32)
 
     def forward(self, hidden: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
         """Run the stage's layers on the flattened ``hidden`` ``[T, hidden_size]``; writes KV."""
@@ -160,7 +161,7 @@ class StageModel:
         cos, sin = rope_cos_sin(positions, self.inv_freq)  # once per step, shared by all layers
         cos, sin = cos.to(hidden.device, hidden.dtype), sin.to(hidden.device, hidden.dtype)
         sizes = [s.num_tokens for s in segments]
-        tasks = pets.TaskRows.group(((s.task, s.rows) for s in segments), hidden.device) \
+        tasks = task_ops.TaskRows.group(((s.task, s.rows) for s in segments), hidden.device) \
             if any(s.task is not None for s in segments) else None
         for layer in range(self.start, self.end):
             active = [s for s in segments if s.layer_start <= layer < s.layer_end]
@@ -176,14 +177,14 @@ class StageModel:
                                       s.layer_start, s.layer_end, s.task))
                 offset += s.num_tokens
             packed_tasks = None if tasks is None else \
-                pets.TaskRows.group(((s.task, s.rows) for s in packed), hidden.device)
+                task_ops.TaskRows.group(((s.task, s.rows) for s in packed), hidden.device)
             out = self._layer(layer, hidden[rows], packed, [s.num_tokens for s in packed], cos[rows], sin[rows],
                               packed_tasks)
             hidden = hidden.index_copy(0, rows, out)
         return hidden
 
     def _layer(self, layer: int, x: torch.Tensor, segments: list[Segment], sizes: list[int],
-               cos: torch.Tensor, sin: torch.Tensor, tasks: pets.TaskRows | None = None) -> torch.Tensor:
+               cos: torch.Tensor, sin: torch.Tensor, tasks: task_ops.TaskRows | None = None) -> torch.Tensor:
         if tasks is not None and (deltas := tasks.at(layer)):
             return self._task_layer(layer, x, segments, sizes, cos, sin, deltas)
         cfg, w = self.config, self.layers[layer]
@@ -196,20 +197,20 @@ class StageModel:
         return w.down.add(silu_mul(w.gate_up(rms_norm(x, w.post_norm, cfg.rms_norm_eps))), x)
 
     def _task_layer(self, layer: int, x: torch.Tensor, segments: list[Segment], sizes: list[int],
-                    cos: torch.Tensor, sin: torch.Tensor, deltas: pets.LayerRows) -> torch.Tensor:
+                    cos: torch.Tensor, sin: torch.Tensor, deltas: task_ops.LayerRows) -> torch.Tensor:
         """:meth:`_layer` for a step with task rows: each shared op once over all rows, then the
         tasks' ops on their own rows (``deltas``: one group per task with ops in this layer)."""
         cfg, w = self.config, self.layers[layer]
         h, n_kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        normed = pets.add_norm_biases(rms_norm(x, w.input_norm, cfg.rms_norm_eps), deltas, "input_layernorm")
-        qkv = pets.add_site_deltas(w.qkv(normed), normed, deltas, "qkv")
+        normed = task_ops.add_norm_biases(rms_norm(x, w.input_norm, cfg.rms_norm_eps), deltas, "input_layernorm")
+        qkv = task_ops.add_site_deltas(w.qkv(normed), normed, deltas, "qkv")
         qk = apply_rope(qkv[:, :(h + n_kv) * d].view(-1, h + n_kv, d), cos, sin)
         v = qkv[:, (h + n_kv) * d:].view(-1, n_kv, d)
         attn = self.attention(layer, segments, sizes, qk[:, :h], qk[:, h:], v)
-        x = pets.sublayer_with_residual(w.o_proj, attn, x, deltas, "o_proj", "attn_adapter")
-        normed = pets.add_norm_biases(rms_norm(x, w.post_norm, cfg.rms_norm_eps), deltas, "post_attention_layernorm")
-        gate_up = pets.add_site_deltas(w.gate_up(normed), normed, deltas, "gate_up")
-        return pets.sublayer_with_residual(w.down, silu_mul(gate_up), x, deltas, "down", "mlp_adapter")
+        x = task_ops.sublayer_with_residual(w.o_proj, attn, x, deltas, "o_proj", "attn_adapter")
+        normed = task_ops.add_norm_biases(rms_norm(x, w.post_norm, cfg.rms_norm_eps), deltas, "post_attention_layernorm")
+        gate_up = task_ops.add_site_deltas(w.gate_up(normed), normed, deltas, "gate_up")
+        return task_ops.sublayer_with_residual(w.down, silu_mul(gate_up), x, deltas, "down", "mlp_adapter")
 
 
 class StepAttention:

@@ -1,6 +1,6 @@
 """The engine's native CPU kernels (``torch.ops.helix``), built on first use.
 
-``csrc/cpu_kernels.cpp`` registers four float32 CPU ops that ``node_agent.model`` and ``node_agent.pets`` call:
+``csrc/cpu_kernels.cpp`` registers four float32 CPU ops that ``node_agent.model`` and ``node_agent.task_ops`` call:
 
 * ``decode_attention``: all the one-token decodes of a step attend in one call per layer, each
   reading its own cache once (per-request SDPA calls cost ~3x more on CPU);

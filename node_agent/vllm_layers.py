@@ -53,7 +53,7 @@ from vllm.model_executor.model_loader import get_model  # noqa: E402
 from helix.errors import EngineError  # noqa: E402
 from node_agent.config import ModelConfig  # noqa: E402
 from node_agent.model import Segment, StepAttention, rms_norm, silu_mul  # noqa: E402
-from node_agent.pets import TaskRows  # noqa: E402
+from node_agent.task_ops import TaskRows  # noqa: E402
 
 VLLM_VERSION: str = vllm.__version__
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)

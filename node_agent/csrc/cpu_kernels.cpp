@@ -9,7 +9,7 @@
 // * rms_norm: one pass per row (PyTorch's CPU rms_norm is a chain of five ops).
 // * silu_mul: SiLU(gate) * up of the fused [gate | up] projection, one pass.
 // * lora_segments: the LoRA deltas of all the fine-tuned tasks of a step on one fused linear, one
-//   call per linear and layer (node_agent/pets.py; per task, PyTorch needs two to four ops).
+//   call per linear and layer (node_agent/task_ops.py; per task, PyTorch needs two to four ops).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

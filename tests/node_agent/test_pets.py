@@ -1,5 +1,6 @@
-"""Fine-tuned tasks on SmolLM2-135M (node_agent.pets): each PET type gives its reference's greedy
-tokens, and a step mixing many tasks and the base gives each request the tokens it gets alone.
+"""Fine-tuned tasks on SmolLM2-135M (node_agent.pets, .stage_task, .task_ops): each PET type gives its
+reference's greedy tokens, and a step mixing many tasks and the base gives each request the tokens it
+gets alone.
 
 References: LoRA through ``peft`` on the transformers model; BitFit, Diff-Pruning and masks through
 transformers on a copy of the base with the PET merged into its weights (norm biases as forward
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 from helix.errors import EngineError, PETError, RequestError, UnknownTaskError
-from node_agent import pets
+from node_agent import pets, stage_task, task_ops
 from node_agent.config import ModelConfig, load_config
 from node_agent.engine import StageEngine
 from node_agent.pets import LINEAR_MODULES, NORMS, TaskPET, lora_tensors_from_peft, module_shape
@@ -290,14 +291,14 @@ def test_mixed_batch_equals_each_task_alone(pipeline: LocalPipeline, smollm2_pro
     requests = [(smollm2_prompts[i % len(smollm2_prompts)], name) for i, name in enumerate(names)]
     alone = [run(pipeline, [r])[0] for r in requests]
     tasks_per_step: list[int] = []
-    group = pets.TaskRows.group
+    group = task_ops.TaskRows.group
 
-    def counting(spans: Any, device: torch.device) -> pets.TaskRows | None:
+    def counting(spans: Any, device: torch.device) -> task_ops.TaskRows | None:
         rows = group(spans, device)
         tasks_per_step.append(0 if rows is None else len(rows.groups))
         return rows
 
-    monkeypatch.setattr(pets.TaskRows, "group", counting)
+    monkeypatch.setattr(task_ops.TaskRows, "group", counting)
     assert run(pipeline, requests, join_every=2) == alone
     assert max(tasks_per_step) >= 4  # steps really held the rows of many tasks at once
     assert run(pipeline, requests[::-1], join_every=1) == alone[::-1]
@@ -385,7 +386,7 @@ def test_a_base_only_step_never_runs_a_task_op(tiny: tuple[Path, ModelConfig],
         raise AssertionError("a base-only step ran a task op")
 
     for name in ("add_site_deltas", "add_norm_biases", "sublayer_with_residual", "add_head_biases"):
-        monkeypatch.setattr(pets, name, forbidden)
+        monkeypatch.setattr(task_ops, name, forbidden)
     engine.add_request("base", SamplingParams(max_tokens=3), prompt_token_ids=[1, 2, 3])
     outputs = []
     while engine.has_unfinished:
@@ -407,14 +408,14 @@ def test_one_task_op_on_scattered_rows_is_the_dense_delta(tiny: tuple[Path, Mode
     diff = torch.randn(k, generator=gen) * (torch.rand(k, generator=gen) < 0.005)
     layer = pets.LayerPET(lora=lora, diff={"self_attn.k_proj": diff.to_sparse().coalesce()},
                           bias={"self_attn.q_proj": torch.randn(q[0], generator=gen)})
-    task = pets.bind_task("t", TaskPET(pets.PETType.LORA, {1: layer}), cfg, 0, 4)
+    task = stage_task.bind_task("t", TaskPET(pets.PETType.LORA, {1: layer}), cfg, 0, 4)
     assert sorted(task.layers) == [1] and sorted(task.layers[1].sites) == ["qkv"]
-    tasks = pets.TaskRows.group([(task, slice(0, 2)), (None, slice(2, 4)), (task, slice(4, 5)), (None, slice(5, 6))],
-                                torch.device("cpu"))  # fmt: skip
+    tasks = task_ops.TaskRows.group([(task, slice(0, 2)), (None, slice(2, 4)), (task, slice(4, 5)),
+                                     (None, slice(5, 6))], torch.device("cpu"))  # fmt: skip
     assert tasks is not None and torch.equal(tasks.groups[0][1], torch.tensor([0, 1, 4]))
     assert tasks.at(0) == [] and len(tasks.at(1)) == 1
     x, y = torch.randn(6, q[1], generator=gen), torch.randn(6, q[0] + k[0] + v[0], generator=gen)
-    got = pets.add_site_deltas(y.clone(), x, tasks.at(1), "qkv")
+    got = task_ops.add_site_deltas(y.clone(), x, tasks.at(1), "qkv")
     delta_w = torch.cat([lora["self_attn.q_proj"].b @ lora["self_attn.q_proj"].a * 0.5, diff,
                          lora["self_attn.v_proj"].b @ lora["self_attn.v_proj"].a * 0.5])
     bias = torch.cat([layer.bias["self_attn.q_proj"], torch.zeros(k[0] + v[0])])
@@ -441,8 +442,9 @@ def test_the_batched_lora_kernel_equals_each_task_op(tiny: tuple[Path, ModelConf
     layer = 1
     specs = [(8, pets.ATTENTION_MODULES), (1, ("self_attn.v_proj",)), (4, ("self_attn.q_proj", "self_attn.o_proj")),
              (3, pets.LINEAR_MODULES)]
-    tasks = [pets.bind_task(f"t{i}", TaskPET.from_tensors("lora", random_lora(cfg, i, r, mods), lora_scaling=0.5 + i),
-                            cfg, 0, 4) for i, (r, mods) in enumerate(specs)]  # fmt: skip
+    tasks = [stage_task.bind_task(f"t{i}", TaskPET.from_tensors("lora", random_lora(cfg, i, r, mods),
+                                                                lora_scaling=0.5 + i),
+                                  cfg, 0, 4) for i, (r, mods) in enumerate(specs)]  # fmt: skip
     k_shape = module_shape(cfg, "self_attn.k_proj")
     mixed = tasks[3].layers[layer].sites["qkv"]  # the last task also has a bias and a sparse delta on qkv
     mixed.bias = torch.randn(mixed.out_features, generator=gen)
@@ -450,7 +452,7 @@ def test_the_batched_lora_kernel_equals_each_task_op(tiny: tuple[Path, ModelConf
                     * (torch.rand(mixed.out_features, k_shape[1], generator=gen) < 0.01)).to_sparse_csr()
     spans = [(tasks[0], slice(0, 3)), (None, slice(3, 4)), (tasks[1], slice(4, 5)), (tasks[2], slice(5, 13)),
              (tasks[3], slice(13, 14)), (tasks[0], slice(15, 16)), (None, slice(14, 15))]
-    rows = pets.TaskRows.group(spans, torch.device("cpu"))
+    rows = task_ops.TaskRows.group(spans, torch.device("cpu"))
     assert rows is not None and isinstance(rows.groups[0][1], torch.Tensor)  # tasks[0]: rows 0-2 and 15
     deltas = rows.at(layer)
     calls: list[int] = []
@@ -460,12 +462,12 @@ def test_the_batched_lora_kernel_equals_each_task_op(tiny: tuple[Path, ModelConf
         calls.append(len(args[2]))
         op(*args)
 
-    monkeypatch.setattr(pets, "_lora_kernel", lambda y, x: counting)
-    for site in pets.STAGE_SITES:
-        width = sum(module_shape(cfg, m)[0] for m in pets.STAGE_SITES[site])
-        in_features = module_shape(cfg, pets.STAGE_SITES[site][0])[1]
+    monkeypatch.setattr(task_ops, "_lora_kernel", lambda y, x: counting)
+    for site in stage_task.STAGE_SITES:
+        width = sum(module_shape(cfg, m)[0] for m in stage_task.STAGE_SITES[site])
+        in_features = module_shape(cfg, stage_task.STAGE_SITES[site][0])[1]
         x, y = torch.randn(16, in_features, generator=gen), torch.randn(16, width, generator=gen)
-        got = pets.add_site_deltas(y.clone(), x, deltas, site)
+        got = task_ops.add_site_deltas(y.clone(), x, deltas, site)
         want = y.clone()
         for delta, task_rows in deltas:
             if site in delta.sites:
