@@ -27,7 +27,8 @@ from helix.errors import ProtocolError
 
 # 2: SamplingSpec carries penalties, logit_bias and prior_output_ids; 3: HEARTBEAT.steps; 4: SamplingSpec.grammar;
 # 5: ADMIT.task / ACTIVATIONS.admit.task, LOAD_TASK / UNLOAD_TASK / TASK_STATUS; 6: msgspec Structs - the header
-# is [version, message], a stage is [{node, layer_start, layer_end}, address], a token [id, step, token, reason|nil]
+# is [version, message], a stage is [{node, layer_start, layer_end}, address], a token [id, step, token, reason|nil],
+# and SamplingSpec.paced (defaulted; added in the same redesign, issue 14, so 6 stays)
 PROTOCOL_VERSION = 6
 DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
 NONCE_BYTES = 32
@@ -121,7 +122,8 @@ class SamplingSpec(_Record, frozen=True):
     the tokens the request generated before this admission (on a pipeline that failed; they are
     the tail of the re-prefilled prompt): the penalties count them as if sampled here.
     ``grammar`` (empty: none) is an llguidance grammar, a JSON string the coordinator compiled
-    from ``response_format``: the output must follow it, ``prior_output_ids`` included.
+    from ``response_format``: the output must follow it, ``prior_output_ids`` included. ``paced``:
+    a one-stage pipeline waits for the coordinator's STEP instead of feeding its own token back.
     """
 
     temperature: Annotated[float, Meta(ge=0.0, le=100.0)] = 0.0
@@ -134,6 +136,7 @@ class SamplingSpec(_Record, frozen=True):
     logit_bias: Annotated[tuple[LogitBias, ...], Meta(max_length=MAX_LIST)] = ()
     prior_output_ids: TokenIds = ()
     grammar: Annotated[str, Meta(max_length=MAX_GRAMMAR_CHARS)] = ""
+    paced: bool = False
 
     def __post_init__(self) -> None:
         if len({token for token, _ in self.logit_bias}) != len(self.logit_bias):

@@ -11,7 +11,8 @@ A :class:`StageEngine` holds layers ``[layer_start, layer_end)`` of a model, a K
   per request, either outgoing hidden states (sub-range ends before the last layer) or a
   sampled token (sub-range ends at the last layer).
 * A token sampled elsewhere comes back through ``push_token``; when one engine runs a request's
-  whole model it loops the token back itself.
+  whole model it loops the token back itself, unless the request is ``paced`` (its caller decides
+  whether the next step runs, e.g. after a stop string: it pushes the token back or cancels).
 * Fine-tuned tasks (:mod:`node_agent.pets`) are bound with ``add_task`` (the stage keeps only the
   PET of its own layers) and named per request (``add_request(..., task=...)``); one step batches
   the rows of many tasks and of the base model. Torch backend only.
@@ -291,7 +292,7 @@ class StageEngine:
                                                   grammar_done=req.sampler.grammar_done)
                 if out.finish_reason:
                     finished.append(out.request_id)
-                elif req.layer_start == 0:  # this engine runs the whole model for it: loop back
+                elif req.layer_start == 0 and not req.sampling.paced:  # it runs the whole model here: loop back
                     req.pending_ids.append(out.token)
                     self.scheduler.add_input(out.request_id, 1)
         return outputs, finished

@@ -44,6 +44,7 @@ class SamplingParams:
     prior_output_ids: tuple[int, ...] = field(default_factory=tuple)  # generated before a re-prefill
     grammar: str = ""  # an llguidance grammar the output follows (empty: none)
     return_logits: bool = False  # attach the sampled row's logits (as the model gave them) to the output
+    paced: bool = False  # a request the engine runs whole waits for push_token instead of feeding its token back
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

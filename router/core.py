@@ -21,9 +21,10 @@ come and go; the simulator (:mod:`simulator.engine`) drives the same object in s
 
 A token ends its request when it is a stop token, completes a stop string, reaches
 ``max_tokens``, or the last stage says the request finished; otherwise the core sends the next
-STEP to the pipeline's first stage (a one-stage pipeline feeds itself on the agent). Nothing is
-sent after a request ends: its stages get CANCEL (to free KV), the last stage's too unless it
-finished the request itself.
+STEP to the pipeline's first stage. A one-stage pipeline feeds itself on the agent, unless the
+request has stop strings: then it is *paced* (``SamplingSpec.paced``) and waits for the STEP too,
+so no step runs after a stop string either. Nothing is sent after a request ends: its stages get
+CANCEL (to free KV), the last stage's too unless it finished the request itself.
 """
 
 from __future__ import annotations
@@ -268,7 +269,7 @@ class CoordinatorCore:
         return wire.SamplingSpec(temperature=p.temperature, top_p=p.top_p, seed=p.seed,
                                  stop_token_ids=tuple(sorted(self.stop_token_ids)),
                                  presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-                                 logit_bias=p.logit_bias, grammar=p.grammar,
+                                 logit_bias=p.logit_bias, grammar=p.grammar, paced=bool(p.stop),
                                  prior_output_ids=tuple(request.output_ids) if stateful else ())  # fmt: skip
 
     def _expire(self, now: float) -> None:
@@ -308,7 +309,7 @@ class CoordinatorCore:
         elif reason is None and out.finished:  # the last stage's grammar completed
             reason = FinishReason.LENGTH if out.finish_reason == FinishReason.LENGTH else FinishReason.STOP
         if reason is None:
-            if len(request.pipeline) > 1:  # a one-stage pipeline feeds its own next step
+            if len(request.pipeline) > 1 or request.params.stop:  # else the one stage feeds itself (unpaced)
                 self._send(request.pipeline.first.node, wire.Step(request.wire_id, out.step, token))
             self._out.outputs.append(RequestOutput(request.request_id, token_ids=(token,), text=text, node=node))
             return

@@ -119,7 +119,8 @@ def test_each_token_sends_the_next_step_to_the_first_stage_until_max_tokens() ->
 def test_a_one_stage_pipeline_feeds_itself_and_the_stage_that_finished_is_not_cancelled() -> None:
     core = _one_pipeline_core({"cpu-0": (0, 30)})
     core.add_request(request("r", max_tokens=5), now=0.0)
-    core.schedule(0.0)
+    (_, admit), = admits(core.schedule(0.0))
+    assert not admit.sampling.paced  # no stop string: nothing for the core to decide between tokens
     core.update_from_output([tokens("cpu-0", "r.1", 5)], now=0.1)
     assert not core.schedule(0.1).messages  # the agent loops its own token back
     core.update_from_output([tokens("cpu-0", "r.1", 6, step=1, finished=True, reason="stop")], now=0.2)
@@ -133,22 +134,30 @@ def tokenizer() -> ChatTokenizer:
     return ChatTokenizer.from_dir(ensure_tokenizer_dir(None))
 
 
-def test_nothing_runs_after_a_stop_string(tokenizer: ChatTokenizer) -> None:
-    core = _one_pipeline_core({"cpu-1": (0, 16), "cpu-2": (16, 30)}, stop_token_ids=tokenizer.eos_token_ids)
+@pytest.mark.parametrize("placement", [{"cpu-1": (0, 16), "cpu-2": (16, 30)}, {"cpu-0": (0, 30)}],
+                         ids=["two stages", "one stage"])
+def test_nothing_runs_after_a_stop_string(tokenizer: ChatTokenizer, placement: dict[str, tuple[int, int]]) -> None:
+    """Each token's next STEP waits for the core, which sees the stop string; a one-stage pipeline too
+    (the request is paced: its agent does not feed its own token back), and its stage is cancelled."""
+    first, last = min(placement, key=lambda n: placement[n][0]), max(placement, key=lambda n: placement[n][1])
+    core = _one_pipeline_core(placement, stop_token_ids=tokenizer.eos_token_ids)
     core.add_request(request("r", [1, 2], max_tokens=50, stop=("lo w",), detok=IncrementalDetokenizer(tokenizer)),
                      now=0.0)  # fmt: skip
-    core.schedule(0.0)
+    (_, admit), = admits(core.schedule(0.0))
+    assert admit.sampling.paced
     text, steps, finish = "", 0, None
     for i, token in enumerate(tokenizer.encode("hello world and more")):
         if finish is not None:
             break
-        core.update_from_output([tokens("cpu-2", "r.1", token, step=i)], now=0.1)
+        core.update_from_output([tokens(last, "r.1", token, step=i)], now=0.1)
         out = core.schedule(0.1)
+        assert [(n, m.token_id, m.step) for n, m in of_type(out, wire.Step)] in ([], [(first, token, i)])
         steps += len(of_type(out, wire.Step))
         text += "".join(o.text for o in out.outputs)
         finish = out.outputs[-1].finish
     assert text == "hel" and finish is not None and finish.reason is FinishReason.STOP
     assert steps == finish.completion_tokens - 1  # no STEP after the token that completed the stop string
+    assert sorted(n for n, _ in of_type(out, wire.Cancel)) == sorted(placement)  # the waiting stages too
 
 
 def test_a_stop_token_ends_the_request_and_is_not_streamed(tokenizer: ChatTokenizer) -> None:
