@@ -3,8 +3,8 @@
 A cluster *has keys* when its file names them: a ``public_key`` on the coordinator or a node, or a
 ``keys_dir`` of public certificates ``<id>.key`` as ``helix keys`` writes them (ZeroMQ's certificate
 format: Z85 keys in a small text file). Then every socket of the cluster runs ZeroMQ CURVE
-(encrypted, and every peer proves its key); the zmq side (node_agent/transport.py,
-router/agents_io.py) takes from here:
+(encrypted, and every peer proves its key); the zmq side (helix/zmq_io.py, which the agent and
+router/agents_io.py run) takes from here:
 
 * :func:`peer_policy`: every vertex's public key and the hosts its addresses may name. Results
   (next-stage activations, tokens to ``reply_to``) go only to the host of the vertex's ``address``

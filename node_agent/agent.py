@@ -10,9 +10,10 @@ Sockets (all bound to loopback unless told otherwise):
 * outgoing PUSH sockets (one per peer): ACTIVATIONS to each request's next stage, TOKENS and
   REFUSED to the request's coordinator (``reply_to``).
 
-Two threads. The *I/O thread* (``run``) owns the bound sockets: it decodes and validates
-messages, runs the handshake, sends heartbeats on time even while a long step runs, and sends
-the engine's ERRORs to the coordinators. The *engine thread* owns the engine, all request state
+Two threads. The *I/O thread* (``run``, a :class:`helix.zmq_io.IOLoop`) owns the bound sockets: it
+decodes and validates messages, runs the handshake (:class:`helix.handshake.AgentHandshake`, one per
+coordinator connection), sends heartbeats on time (the loop's tick) even while a long step runs, and
+sends what the engine thread queues for the coordinators (ERRORs, TASK_STATUS). The *engine thread* owns the engine, all request state
 and the outgoing PUSH sockets (Orca's iteration-level loop): apply arrivals, run one step, send
 its ACTIVATIONS/TOKENS/REFUSED at once (ZeroMQ's own I/O threads move the bytes), repeat; so
 receiving overlaps computation and a step's results leave without a thread hand-over. A bad
@@ -39,7 +40,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import socket
 import threading
 import time
 from collections import OrderedDict, deque
@@ -51,21 +51,15 @@ import zmq
 from helix import wire
 from helix.domain import ErrorCode, FinishReason
 from helix.errors import CapacityError, HelixError, PETError, ProtocolError
+from helix.handshake import AgentHandshake
 from helix.keys import CONTROL, DATA, KeyGuard, KeyPair, PeerPolicy
+from helix.zmq_io import CurveSockets, Frames, IOLoop
 from node_agent.step_log import StepLog
 from node_agent.step_meter import StepMeter
-from node_agent.transport import (
-    CurveSockets,
-    PushPool,
-    configure,
-    frame_tensor,
-    sampling_params,
-    tensor_frame,
-)
+from node_agent.transport import PushPool, configure, frame_tensor, sampling_params, tensor_frame
 
 log = logging.getLogger(__name__)
 
-MAX_DRAIN = 256  # messages taken from one socket per loop turn (keeps steps flowing under floods)
 TOMBSTONES = 65_536  # cancelled request ids remembered (late activations for them are dropped)
 MAX_HANDSHAKES = 1024
 
@@ -161,7 +155,7 @@ class NodeAgent:
         self.peers = PushPool(self.ctx, self.curve)
         self._routes: dict[str, _Route] = {}
         self._tombstones: OrderedDict[str, None] = OrderedDict()
-        self._handshakes: OrderedDict[bytes, tuple[str, bytes, bytes]] = OrderedDict()  # identity -> name, nonces
+        self._handshakes: OrderedDict[bytes, AgentHandshake] = OrderedDict()  # identity -> its handshake so far
         self._coordinators: dict[bytes, str] = {}  # authenticated identity -> coordinator name
         self._stopping = False
         self._hb_seq = 0
@@ -171,12 +165,13 @@ class NodeAgent:
         self._inbox: deque[list[tuple[bytes | None, wire.Message]]] = deque()
         self._arrivals: list[tuple[bytes | None, wire.Message]] = []  # I/O thread, not yet handed over
         self._work = threading.Event()
-        # engine thread -> I/O thread: messages for one coordinator (its identity) or every one (None) on
-        # the control socket (the engine thread sends to peers itself: self.peers is its own)
-        self._outbox: deque[tuple[bytes | None, wire.Message]] = deque()
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
+        # the I/O thread's loop; the engine thread queues its messages for the coordinators on it (it sends
+        # to peers itself: self.peers is its own)
+        self.loop = IOLoop(tick_s=config.heartbeat_interval_s, on_tick=self._heartbeat, after_turn=self._hand_over)
+        self.loop.watch(self.control, self._on_control_frames)
+        self.loop.watch(self.data, self._on_data_frames)
+        if self.curve is not None:
+            self.curve.watch(self.loop)
         self._kv = engine.kv_usage()
         self._queues = (0, 0)
         self._meter = StepMeter()  # engine thread records, the heartbeat reads its snapshot
@@ -201,61 +196,33 @@ class NodeAgent:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self.stop())
 
-    def stop(self) -> None:
+    def stop(self) -> None:  # any thread (a signal handler too)
         self._stopping = True
         self._work.set()
+        self.loop.stop()
 
     def close(self) -> None:
         self.control.close(linger=0)
         self.data.close(linger=0)
         if self.curve is not None:
             self.curve.close()
-        self._wake_r.close()
-        self._wake_w.close()
+        self.loop.close()
 
     def run(self) -> None:
-        """The I/O loop (call from the main thread); starts and joins the engine thread."""
+        """The I/O loop (call from the main thread); starts and joins the engine thread (either one ending
+        ends the other)."""
         engine_thread = threading.Thread(target=self._engine_loop, name="engine", daemon=True)
         engine_thread.start()
-        poller = zmq.Poller()
-        poller.register(self.control, zmq.POLLIN)
-        poller.register(self.data, zmq.POLLIN)
-        poller.register(self._wake_r.fileno(), zmq.POLLIN)
-        monitors = self.curve.monitors if self.curve is not None else {}
-        for monitor in monitors:
-            poller.register(monitor, zmq.POLLIN)
-        next_hb = time.monotonic()
         try:
-            while not self._stopping and engine_thread.is_alive():
-                wait_ms = max(0, int((next_hb - time.monotonic()) * 1000))
-                ready = dict(poller.poll(min(wait_ms, 250)))
-                if self.control in ready:
-                    self._drain(self.control, self._on_control_frames)
-                if self.data in ready:
-                    self._drain(self.data, self._on_data_frames)
-                for monitor in monitors:
-                    if monitor in ready and self.curve is not None:
-                        self.curve.drain_monitor(monitor)
-                self._flush_outbox()
-                self._hand_over()
-                if time.monotonic() >= next_hb:
-                    self._heartbeat()
-                    next_hb = time.monotonic() + self.config.heartbeat_interval_s
+            self.loop.run()
         finally:
             self.stop()
             engine_thread.join(timeout=10)
             self.close()
 
-    def _flush_outbox(self) -> None:
-        try:
-            while self._wake_r.recv(4096):
-                pass
-        except (BlockingIOError, OSError):
-            pass
-        while self._outbox:
-            to, msg = self._outbox.popleft()
-            for identity in list(self._coordinators) if to is None else [to]:
-                self._send_control(identity, msg)
+    def _to_coordinators(self, identity: bytes | None, msg: wire.Message) -> None:  # I/O thread
+        for to in list(self._coordinators) if identity is None else [identity]:
+            self._send_control(to, msg)
 
     def _to_engine(self, identity: bytes | None, msg: wire.Message) -> None:  # I/O thread
         self._arrivals.append((identity, msg))
@@ -277,11 +244,7 @@ class NodeAgent:
                 # the next stage is gone: cancel here, applied at the top of the next loop turn
                 self._inbox.append([(None, wire.Cancel(msg.request_id, f"unreachable:{address}"))])
             return
-        self._outbox.append((identity, msg))
-        try:
-            self._wake_w.send(b"x")
-        except (BlockingIOError, OSError):
-            pass
+        self.loop.call(lambda: self._to_coordinators(identity, msg))
 
     def _engine_loop(self) -> None:
         """Iteration-level loop: apply arrivals, run one step, queue what it produced."""
@@ -314,7 +277,7 @@ class NodeAgent:
             self.failed = True
             raise
         finally:
-            self._stopping = True
+            self.stop()
             self.peers.close()  # its sockets: closed by the thread that used them
             if step_log is not None:
                 step_log.close()
@@ -331,17 +294,9 @@ class NodeAgent:
         elif isinstance(msg, wire.Activations):
             self._on_activations(msg)
 
-    def _drain(self, sock: zmq.Socket[Any], handle: Any) -> None:
-        for _ in range(MAX_DRAIN):
-            try:
-                frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            handle(frames)
-
     # -- control plane --------------------------------------------------------------------------
 
-    def _on_control_frames(self, frames: list[Any]) -> None:
+    def _on_control_frames(self, frames: Frames) -> None:
         identity, body = frames[0].bytes, frames[1:]
         try:
             msg = wire.decode(body, max_frame_bytes=self.config.max_frame_bytes)
@@ -357,28 +312,26 @@ class NodeAgent:
             self._reject("control", exc, identity)
 
     def _handshake(self, identity: bytes, msg: wire.Hello | wire.Auth) -> None:
+        # an AUTH ends the handshake, either way; a HELLO starts one (a repeated HELLO continues it)
+        handshake = self._handshakes.pop(identity, None) or AgentHandshake(self.config.secret, self.config.node_id,
+                                                                           self._welcome)  # fmt: skip
         if isinstance(msg, wire.Hello):
-            nonce = wire.make_nonce()
-            self._handshakes[identity] = (msg.sender, msg.nonce, nonce)
+            self._coordinators.pop(identity, None)
+            self._handshakes[identity] = handshake  # the latest MAX_HANDSHAKES pending ones are kept
             while len(self._handshakes) > MAX_HANDSHAKES:
                 self._handshakes.popitem(last=False)
-            proof = wire.prove(self.config.secret, "agent", msg.nonce, nonce)
-            self._send_control(identity, wire.Challenge(self.config.node_id, nonce, proof))
-            self._coordinators.pop(identity, None)
-            return
-        pending = self._handshakes.pop(identity, None)
-        if pending is None:
-            raise ProtocolError("AUTH without a pending HELLO")
-        name, their_nonce, our_nonce = pending
-        if not wire.verify(self.config.secret, msg.proof, "coordinator", our_nonce, their_nonce):
-            self._send_control(identity, wire.Error("auth", "shared-secret proof rejected"))
-            log.warning("rejected a coordinator: wrong shared-secret proof")
-            return
-        self._coordinators[identity] = name
-        start, end = self.engine.layer_start, self.engine.layer_end
-        self._send_control(identity, wire.Welcome(self.config.node_id, start, end,
-                                                  self._kv.capacity_tokens, self.data_address))
-        log.info("coordinator %s authenticated", self._coordinators[identity])
+        outcome = handshake.on_message(msg)
+        for reply in outcome.replies:
+            self._send_control(identity, reply)
+        if outcome.error is not None:
+            log.warning("rejected coordinator %r: %s", handshake.peer, outcome.error)
+        elif outcome.trusted:
+            self._coordinators[identity] = handshake.peer
+            log.info("coordinator %s authenticated", handshake.peer)
+
+    def _welcome(self) -> wire.Welcome:
+        return wire.Welcome(self.config.node_id, self.engine.layer_start, self.engine.layer_end,
+                            self._kv.capacity_tokens, self.data_address)  # fmt: skip
 
     def _send_control(self, identity: bytes, msg: wire.Message) -> bool:
         try:
@@ -402,9 +355,11 @@ class NodeAgent:
         if route is None or not self.engine.has_request(msg.request_id):
             log.debug("STEP for unknown request %s (finished or cancelled): dropped", msg.request_id)
             return
-        if len(route.pipeline) == 1:
-            return  # the engine holds the whole model for it and loops tokens back itself
-        route.step = msg.step
+        if route.is_last:  # a one-stage pipeline: the engine holds the whole model for it
+            if not route.sampling.paced:
+                return  # and loops its tokens back itself
+        else:
+            route.step = msg.step
         self.engine.push_token(msg.request_id, msg.token_id)
 
     def _on_cancel(self, msg: wire.Cancel) -> None:
@@ -458,7 +413,7 @@ class NodeAgent:
 
     # -- data plane -----------------------------------------------------------------------------
 
-    def _on_data_frames(self, frames: list[Any]) -> None:
+    def _on_data_frames(self, frames: Frames) -> None:
         try:
             msg = wire.decode(frames, max_frame_bytes=self.config.max_frame_bytes)
             if not isinstance(msg, wire.Activations):

@@ -4,9 +4,9 @@
 the raw bytes of an ACTIVATIONS frame and back (bf16 travels as its raw 2-byte values), converts
 wire sampling parameters to the engine's, and keeps one non-blocking PUSH socket per peer
 address (:class:`PushPool`) so a dead peer can never block the agent's iteration loop. With
-the cluster's CURVE keys (:mod:`helix.keys`), :class:`CurveSockets` makes the bound sockets CURVE
-servers behind a ZAP authenticator (one plane each) and logs every refused handshake, and the
-pool dials each peer as a CURVE client that expects that peer's own public key.
+the cluster's CURVE keys (:mod:`helix.keys`), the pool dials each peer as a CURVE client that
+expects that peer's own public key (:class:`helix.zmq_io.CurveSockets`, which also serves the
+agent's bound sockets).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import zmq
 
 from helix import wire
 from helix.errors import ProtocolError
-from helix.keys import HANDSHAKE_FAILED, HANDSHAKE_FAILED_AUTH, KeyGuard, KeyPair, handshake_failure
+from helix.zmq_io import CurveSockets
 from node_agent.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,8 @@ def sampling_params(spec: wire.SamplingSpec, max_tokens: int) -> SamplingParams:
                           top_p=spec.top_p if spec.top_p > 0 else 1.0, seed=spec.seed,
                           stop_token_ids=spec.stop_token_ids, presence_penalty=spec.presence_penalty,
                           frequency_penalty=spec.frequency_penalty, logit_bias=spec.logit_bias,
-                          prior_output_ids=spec.prior_output_ids, grammar=spec.grammar)  # fmt: skip
+                          prior_output_ids=spec.prior_output_ids, grammar=spec.grammar,
+                          paced=spec.paced)  # fmt: skip
 
 
 def configure(sock: zmq.Socket[Any]) -> None:
@@ -60,56 +61,6 @@ def configure(sock: zmq.Socket[Any]) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, SEND_HWM)
     sock.setsockopt(zmq.RCVHWM, SEND_HWM)
-
-
-class CurveSockets:
-    """CURVE on one process's sockets: a ZAP authenticator asking ``guard`` which keys each plane lets in, bound
-    sockets made CURVE servers of one plane each (with a monitor whose failed handshakes are logged), and
-    outgoing sockets made CURVE clients of the peer they dial."""
-
-    def __init__(self, ctx: zmq.Context[Any], keys: KeyPair, guard: KeyGuard) -> None:
-        from zmq.auth.thread import ThreadAuthenticator
-
-        self.keys, self.guard = keys, guard
-        self.auth = ThreadAuthenticator(ctx, log=logging.getLogger("zmq.auth"))
-        self.auth.start()  # before any bind: a CURVE server without a ZAP handler would let every key in
-        for plane in guard.domains:
-            self.auth.configure_curve_callback(plane, guard)
-        self.monitors: dict[zmq.Socket[Any], str] = {}  # monitor socket -> its plane
-
-    def serve(self, sock: zmq.Socket[Any], plane: str) -> zmq.Socket[Any]:
-        """Make ``sock`` (before it binds) a CURVE server of ``plane``; returns its monitor socket (poll it,
-        then :meth:`drain_monitor`)."""
-        sock.curve_secretkey, sock.curve_publickey = self.keys.secret, self.keys.public
-        sock.curve_server = True
-        sock.zap_domain = plane.encode()
-        monitor = sock.get_monitor_socket(HANDSHAKE_FAILED)
-        self.monitors[monitor] = plane
-        return monitor
-
-    def dial(self, sock: zmq.Socket[Any], server_key: bytes) -> None:
-        """Make ``sock`` (before it connects) a CURVE client that talks only to the holder of ``server_key``."""
-        sock.curve_secretkey, sock.curve_publickey = self.keys.secret, self.keys.public
-        sock.curve_serverkey = server_key
-
-    def drain_monitor(self, monitor: zmq.Socket[Any]) -> None:
-        from zmq.utils.monitor import recv_monitor_message
-
-        plane = self.monitors[monitor]
-        while True:
-            try:
-                event = recv_monitor_message(monitor, flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            why = handshake_failure(int(event["event"]), int(event["value"]))
-            if why is not None and int(event["event"]) != HANDSHAKE_FAILED_AUTH:  # a refused key: KeyGuard logged it
-                self.guard.refusals.refuse(plane, why)
-
-    def close(self) -> None:
-        for monitor in self.monitors:
-            monitor.close(linger=0)
-        self.monitors.clear()
-        self.auth.stop()
 
 
 class PushPool:

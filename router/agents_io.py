@@ -1,15 +1,17 @@
 """The coordinator's side of the wire: connections to node agents (pure transport, no HTTP).
 
-:class:`AgentsIO` owns one background I/O thread and every ZeroMQ socket of the coordinator:
+:class:`AgentsIO` owns one background I/O thread (a :class:`helix.zmq_io.IOLoop`) and every ZeroMQ
+socket of the coordinator:
 
-* one DEALER per agent to its control socket: the shared-secret handshake (HELLO -> CHALLENGE ->
-  AUTH -> WELCOME, both sides prove the secret), then ADMIT / STEP / CANCEL and LOAD_TASK /
-  UNLOAD_TASK out, HEARTBEATs and TASK_STATUS in;
+* one DEALER per agent to its control socket: the shared-secret handshake
+  (:class:`helix.handshake.CoordinatorHandshake`: HELLO -> CHALLENGE -> AUTH -> WELCOME, both sides
+  prove the secret), then ADMIT / STEP / CANCEL and LOAD_TASK / UNLOAD_TASK out, HEARTBEATs and
+  TASK_STATUS in;
 * one PULL (the data plane's sink) where last stages push TOKENS and any stage pushes REFUSED.
 
 With ``curve`` (the coordinator's keys and the agents', :func:`helix.keys.coordinator_keys`) every one of these
-sockets runs ZeroMQ CURVE: each DEALER expects its agent's public key, the sink lets in only the
-agents' keys, and refused handshakes are logged.
+sockets runs ZeroMQ CURVE (:class:`helix.zmq_io.CurveSockets`): each DEALER expects its agent's public
+key, the sink lets in only the agents' keys, and refused handshakes are logged.
 
 It is a pipe: it knows no requests. :meth:`AgentsIO.send` delivers the messages the coordinator core
 (:mod:`router.core`, through :mod:`router.driver`) decided on; everything the agents say comes back
@@ -26,10 +28,8 @@ from __future__ import annotations
 
 import functools
 import logging
-import socket
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,9 +38,10 @@ import zmq
 
 from helix import wire
 from helix.errors import ProtocolError
-from helix.keys import CurveKeys
+from helix.handshake import CoordinatorHandshake
+from helix.keys import RESULTS, CurveKeys, KeyGuard
+from helix.zmq_io import CurveSockets, Frames, IOLoop
 from router.agent_events import AgentDied, AgentEvent, AgentJoined, KVReport, Unreachable
-from router.curve import CoordinatorCurve
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ class AgentState:
     heartbeat_at: float = 0.0
     last_seen: float = 0.0
     sock: Any = None
-    nonce: bytes = b""
+    handshake: CoordinatorHandshake | None = None
     hello_at: float = 0.0
     auth_error: str | None = None
 
@@ -76,24 +77,23 @@ class AgentsIO:
         self.on_event = on_event
         self.on_task_status = on_task_status
         self.max_frame_bytes = max_frame_bytes
+        self.agent_keys = dict(curve.peers) if curve is not None else {}  # node -> CURVE public key
+        missing = sorted(set(agents) - set(self.agent_keys)) if curve is not None else []
+        if missing:
+            raise ProtocolError(f"no CURVE public key for agents {', '.join(missing)}")
         self.ctx: zmq.Context[Any] = zmq.Context()
-        self.curve = CoordinatorCurve(self.ctx, name, curve.own, curve.peers) if curve is not None else None
+        self.curve = None if curve is None else \
+            CurveSockets(self.ctx, curve.own, KeyGuard(name, {RESULTS: self.agent_keys}, self.agent_keys))
         self.sink = self.ctx.socket(zmq.PULL)
         self.sink.setsockopt(zmq.LINGER, 0)
         self.sink.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + 4096)
         if self.curve is not None:
-            missing = sorted(set(agents) - set(self.curve.agent_keys))
-            if missing:
-                raise ProtocolError(f"no CURVE public key for agents {', '.join(missing)}")
-            self.curve.serve_results(self.sink)
+            self.curve.serve(self.sink, RESULTS)
         self.sink.bind(f"tcp://{bind_host}:*")
         self.reply_to: str = self.sink.getsockopt_string(zmq.LAST_ENDPOINT)
         self._agents = {n: AgentState(n, a) for n, a in agents.items()}
         self._lock = threading.Lock()
-        self._inbox: deque[Callable[[], None]] = deque()
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._stop = threading.Event()
+        self._loop = IOLoop(tick_s=TICK_S, on_tick=self._check_liveness)
         self._thread = threading.Thread(target=self._run, name="agents-io", daemon=True)
         self.rejected = 0
 
@@ -104,12 +104,10 @@ class AgentsIO:
         return self
 
     def close(self) -> None:
-        self._stop.set()
-        self._wake()
+        self._loop.stop()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
-        self._wake_r.close()
-        self._wake_w.close()
+        self._loop.close()
         if self.curve is not None:
             self.curve.close()
         self.ctx.destroy(linger=0)
@@ -152,10 +150,10 @@ class AgentsIO:
         """Send ``(node, message)`` pairs in order. From the I/O thread (inside ``on_event``) they leave at
         once, after anything queued before them; from other threads they are queued in call order."""
         if from_io_thread:
-            self._run_inbox()
+            self._loop.run_pending()
             self._send_all(list(messages))
         else:
-            self._call(functools.partial(self._send_all, list(messages)))
+            self._loop.call(functools.partial(self._send_all, list(messages)))
 
     def _send_all(self, messages: list[tuple[str, wire.Message]]) -> None:
         for node, msg in messages:
@@ -164,78 +162,39 @@ class AgentsIO:
     def send_task(self, node_id: str, msg: wire.LoadTask | wire.UnloadTask) -> None:
         """Send LOAD_TASK / UNLOAD_TASK to ``node_id``; its TASK_STATUS goes to ``on_task_status`` (a
         failed one at once if the agent is not connected)."""
-        self._call(lambda: self._send_task(node_id, msg))
+        self._loop.call(lambda: self._send_task(node_id, msg))
 
-    # -- internals (I/O thread unless noted) ----------------------------------------------------
-
-    def _call(self, fn: Callable[[], None]) -> None:  # any thread
-        self._inbox.append(fn)
-        self._wake()
-
-    def _wake(self) -> None:  # any thread
-        try:
-            self._wake_w.send(b"x")
-        except (BlockingIOError, OSError):
-            pass
+    # -- internals (I/O thread) -----------------------------------------------------------------
 
     def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.sink, zmq.POLLIN)
-        poller.register(self._wake_r.fileno(), zmq.POLLIN)
-        monitor = self.curve.monitor if self.curve is not None else None
-        if monitor is not None:
-            poller.register(monitor, zmq.POLLIN)
+        self._loop.watch(self.sink, self._on_sink)
+        if self.curve is not None:
+            self.curve.watch(self._loop)
         for agent in self._agents.values():
-            self._connect(agent, poller)
-        socks: dict[Any, AgentState] = {}
-        while not self._stop.is_set():
-            socks = {a.sock: a for a in self._agents.values()}
-            for item, _ in poller.poll(int(TICK_S * 1000)):
-                if item is self.sink:
-                    self._drain(self.sink, self._on_sink)
-                elif item is monitor and self.curve is not None:
-                    self.curve.drain_monitor()
-                elif item in socks:
-                    self._drain(item, functools.partial(self._on_control, socks[item]))
-            try:
-                while self._wake_r.recv(4096):
-                    pass
-            except (BlockingIOError, OSError):
-                pass
-            self._run_inbox()
-            self._check_liveness(poller)
-        for agent in self._agents.values():
-            if agent.sock is not None:
-                agent.sock.close(linger=0)
-        self.sink.close(linger=0)
+            self._connect(agent)
+        try:
+            self._loop.run()
+        finally:
+            for agent in self._agents.values():
+                if agent.sock is not None:
+                    agent.sock.close(linger=0)
+            self.sink.close(linger=0)
 
-    def _run_inbox(self) -> None:
-        while self._inbox:
-            self._inbox.popleft()()
-
-    def _drain(self, sock: Any, handle: Callable[[list[Any]], None]) -> None:
-        for _ in range(1024):
-            try:
-                frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            handle(frames)
-
-    def _connect(self, agent: AgentState, poller: zmq.Poller) -> None:
+    def _connect(self, agent: AgentState) -> None:
         if agent.sock is not None:
-            poller.unregister(agent.sock)
+            self._loop.unwatch(agent.sock)
             agent.sock.close(linger=0)
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes + 4096)
         if self.curve is not None:
-            self.curve.dial(sock, agent.node_id)
+            self.curve.dial(sock, self.agent_keys[agent.node_id])
         sock.connect(agent.control_address)
-        poller.register(sock, zmq.POLLIN)
+        self._loop.watch(sock, functools.partial(self._on_control, agent))
         agent.sock = sock
-        agent.nonce = wire.make_nonce()
+        agent.handshake = CoordinatorHandshake(self.secret, self.name, agent.node_id)
         agent.hello_at = time.monotonic()
-        self._send_raw(agent, wire.Hello(self.name, agent.nonce))
+        self._send_raw(agent, agent.handshake.start())
 
     def _send_raw(self, agent: AgentState, msg: wire.Message) -> bool:
         try:
@@ -264,7 +223,7 @@ class AgentsIO:
             except Exception:  # a caller's bug must not kill the I/O thread
                 log.exception("task status callback failed")
 
-    def _on_control(self, agent: AgentState, frames: list[Any]) -> None:
+    def _on_control(self, agent: AgentState, frames: Frames) -> None:
         try:
             msg = wire.decode(frames, max_frame_bytes=self.max_frame_bytes)
         except ProtocolError as exc:
@@ -272,34 +231,29 @@ class AgentsIO:
             log.warning("agent %s sent a bad message: %s", agent.node_id, exc.message)
             return
         now = time.monotonic()
-        if isinstance(msg, wire.Challenge):
-            if not wire.verify(self.secret, msg.proof, "agent", agent.nonce, msg.nonce):
-                agent.auth_error = "the agent did not prove the shared secret"
-                log.error("agent %s at %s failed the shared-secret check", agent.node_id, agent.control_address)
-                return
-            if msg.node_id != agent.node_id:
-                agent.auth_error = f"expected node {agent.node_id!r}, the agent is {msg.node_id!r}"
-                log.error("agent at %s: %s", agent.control_address, agent.auth_error)
-                return
-            self._send_raw(agent, wire.Auth(wire.prove(self.secret, "coordinator", msg.nonce, agent.nonce)))
-        elif isinstance(msg, wire.Welcome):
-            with self._lock:
-                agent.welcome, agent.alive, agent.last_seen, agent.auth_error = msg, True, now, None
-            log.info("agent %s is alive (layers [%d, %d))", agent.node_id, msg.layer_start, msg.layer_end)
-            self._emit(AgentJoined(agent.node_id, msg))
+        if isinstance(msg, wire.Challenge | wire.Welcome | wire.Error) and agent.handshake is not None:
+            if isinstance(msg, wire.Error):
+                log.warning("agent %s: error %s: %s", agent.node_id, msg.code, msg.reason)
+            outcome = agent.handshake.on_message(msg)
+            for reply in outcome.replies:
+                self._send_raw(agent, reply)
+            if outcome.error is not None:
+                agent.auth_error = outcome.error
+                log.error("agent %s at %s: %s", agent.node_id, agent.control_address, outcome.error)
+            elif outcome.trusted and isinstance(msg, wire.Welcome):
+                with self._lock:
+                    agent.welcome, agent.alive, agent.last_seen, agent.auth_error = msg, True, now, None
+                log.info("agent %s is alive (layers [%d, %d))", agent.node_id, msg.layer_start, msg.layer_end)
+                self._emit(AgentJoined(agent.node_id, msg))
         elif isinstance(msg, wire.Heartbeat) and agent.alive:
             with self._lock:
                 agent.heartbeat, agent.heartbeat_at, agent.last_seen = msg, now, now
-        elif isinstance(msg, wire.Error):
-            if msg.code == "auth":
-                agent.auth_error = f"the agent rejected our shared secret: {msg.reason}"
-            log.warning("agent %s: error %s: %s", agent.node_id, msg.code, msg.reason)
         elif isinstance(msg, wire.Tokens | wire.Refused):
             self._emit(msg)
         elif isinstance(msg, wire.TaskStatus) and msg.node_id == agent.node_id:
             self._task_status(msg)
 
-    def _on_sink(self, frames: list[Any]) -> None:
+    def _on_sink(self, frames: Frames) -> None:
         try:
             msg = wire.decode(frames, max_frame_bytes=self.max_frame_bytes)
             if not isinstance(msg, wire.Tokens | wire.Refused):
@@ -318,7 +272,7 @@ class AgentsIO:
         except Exception:  # a caller's bug must not kill the I/O thread
             log.exception("event handler failed on %s", type(event).__name__)
 
-    def _check_liveness(self, poller: zmq.Poller) -> None:
+    def _check_liveness(self) -> None:
         now = time.monotonic()
         for agent in self._agents.values():
             if agent.alive and now - agent.last_seen > self.dead_after_s:
@@ -326,7 +280,7 @@ class AgentsIO:
                     agent.alive = False
                 log.warning("agent %s missed its heartbeats for %.1f s: dead", agent.node_id, now - agent.last_seen)
                 self._emit(AgentDied(agent.node_id))
-                self._connect(agent, poller)
-            elif not agent.alive and now - agent.hello_at > HELLO_RETRY_S:
+                self._connect(agent)
+            elif not agent.alive and now - agent.hello_at > HELLO_RETRY_S and agent.handshake is not None:
                 agent.hello_at = now  # same socket and nonce: a late CHALLENGE still verifies
-                self._send_raw(agent, wire.Hello(self.name, agent.nonce))
+                self._send_raw(agent, agent.handshake.hello())
