@@ -31,24 +31,26 @@ from helix.domain import Pipeline
 from helix.errors import HelixError, OverloadedError, RequestError
 from router.coordinator import Coordinator, RequestHandle
 from router.metrics import ServingMetrics
-from router.openai_schema import (
+from router.openai_requests import (
     DEFAULT_MAX_TOKENS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    describe_validation_errors,
+)
+from router.openai_responses import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
     CompletionChoice,
-    CompletionRequest,
     CompletionResponse,
     HelixInfo,
     ModelCard,
     ModelList,
     StageInfo,
     Usage,
-    describe_validation_errors,
     error_body,
     now_s,
 )

@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException
 
 from helix.errors import RequestError
 from router.coordinator import Coordinator
-from router.openai_schema import describe_validation_errors
+from router.openai_requests import describe_validation_errors
 
 MAX_ADMIN_BODY_BYTES = 64 * 1024
 

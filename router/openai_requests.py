@@ -1,4 +1,4 @@
-"""OpenAI-compatible HTTP bodies for ``/v1/completions`` and ``/v1/chat/completions``.
+"""OpenAI-compatible request bodies of ``/v1/completions`` and ``/v1/chat/completions``.
 
 What happens to each request field (nothing is silently ignored unless listed as ignored):
 
@@ -30,15 +30,13 @@ What happens to each request field (nothing is silently ignored unless listed as
   400 naming the field: DESIGN.md's ``extra="forbid"`` for HTTP bodies, with the allow-list
   above. Unknown fields inside a message or a content part are rejected the same way.
 
-(The ``openai`` Python client sends only the fields its caller passes.) Responses and streaming
-chunks follow OpenAI's shapes, plus one extension field ``helix`` carrying the pipeline the
-request took. Errors use OpenAI's ``{"error": {...}}`` body; ``param`` names the field.
+(The ``openai`` Python client sends only the fields its caller passes.) A body that fails these
+checks is described by :func:`describe_validation_errors` (``param`` names the field). Responses,
+streaming chunks and error bodies are :mod:`router.openai_responses`.
 """
 
 from __future__ import annotations
 
-import time
-import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -307,141 +305,6 @@ class ChatCompletionRequest(_Request):
                 raise ValueError(f"max_completion_tokens={self.max_completion_tokens} exceeds this server's limit of {cap}")
             self.max_tokens = self.max_completion_tokens
         return self
-
-
-# ----------------------------------------------------------------------------- responses
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
-
-
-def now_s() -> int:
-    return int(time.time())
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class StageInfo(BaseModel):
-    node: str
-    layers: tuple[int, int]
-
-
-class HelixInfo(BaseModel):
-    """Extension field: the pipeline(s) the request ran on (more than one after a failover)."""
-
-    pipelines: list[list[StageInfo]]
-    reroutes: int = 0
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    finish_reason: str | None = None
-    logprobs: None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-    helix: HelixInfo | None = None
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: AssistantMessage
-    finish_reason: str | None = None
-    logprobs: None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage | None = None
-    helix: HelixInfo | None = None
-
-
-class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int = 0
-    delta: ChatDelta
-    finish_reason: str | None = None
-    logprobs: None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-    helix: HelixInfo | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "helix"
-    parent: str | None = None  # a fine-tuned task: the base model it runs on (vLLM's field); the base: null
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-# ----------------------------------------------------------------------------- errors
-
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "invalid_request_error",
-    413: "invalid_request_error",
-    422: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "server_error",
-    502: "server_error",
-    503: "service_unavailable",
-}
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorBody(BaseModel):
-    error: ErrorDetail
-
-
-def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    """An OpenAI-style error body for HTTP ``status``."""
-    detail = ErrorDetail(message=message, type=ERROR_TYPES.get(status, "server_error"), param=param, code=code)
-    return ErrorBody(error=detail).model_dump()
 
 
 def describe_validation_errors(errors: list[Any]) -> tuple[str, str | None]:
