@@ -46,7 +46,8 @@ from router.agent_events import AgentDied, AgentEvent, AgentJoined, KVReport, Un
 log = logging.getLogger(__name__)
 
 HELLO_RETRY_S = 1.0
-TICK_S = 0.05
+TICK_S = 0.05  # how often heartbeats are checked and HELLOs retried
+SINK_DRAIN = 1024  # messages taken from one socket per turn (tokens of many requests arrive together)
 
 
 @dataclass(slots=True)
@@ -93,7 +94,7 @@ class AgentsIO:
         self.reply_to: str = self.sink.getsockopt_string(zmq.LAST_ENDPOINT)
         self._agents = {n: AgentState(n, a) for n, a in agents.items()}
         self._lock = threading.Lock()
-        self._loop = IOLoop(tick_s=TICK_S, on_tick=self._check_liveness)
+        self._loop = IOLoop(tick_s=TICK_S, on_tick=self._check_liveness, max_drain=SINK_DRAIN)
         self._thread = threading.Thread(target=self._run, name="agents-io", daemon=True)
         self.rejected = 0
 
