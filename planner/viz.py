@@ -2,8 +2,9 @@
 
 Shared by ``notebooks/`` and ``helix show``. matplotlib is imported inside the functions
 (``import planner`` stays light); each ``draw_*`` function draws on a given axes, and
-:func:`plan_figure` puts the plan views on one figure sized to the cluster. Where things go
-is computed by :func:`planner.viz_layout.plan_layout` (pure, tested); this module only draws.
+:func:`plan_figure` puts the plan views on one figure sized to the cluster. What is drawn (flows,
+capacities, the min cut) is :func:`planner.plan_view.plan_view` and where it goes
+:func:`planner.viz_layout.plan_layout` (both pure, tested); this module only draws.
 
 * :func:`draw_flow_graph` — every region a grey box with its name; in it, every node at the
   middle of the layer range it holds (the pipeline reads left to right), coloured by GPU type
@@ -20,17 +21,15 @@ is computed by :func:`planner.viz_layout.plan_layout` (pure, tested); this modul
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import networkx as nx
 
-from helix.plan import Plan, node_inflow
+from helix.plan import Plan
 from helix.profile import ProfileSet
 from helix.spec import ClusterSpec
-from planner.capacity import CapacityModel
-from planner.graph import SINK, SOURCE, build_graph
+from planner.plan_view import PlanView, flow_digraph, flow_table, plan_view
 from planner.viz_layout import (
     COORD_IN,
     COORD_OUT,
@@ -40,89 +39,17 @@ from planner.viz_layout import (
     PlanLayout,
     edge_label_boxes,
     gpu_color,
-    plan_layout,
 )
 
-__all__ = ["COORD_IN", "COORD_OUT", "MAX_EDGE_LABELS", "PlanView", "draw_bars", "draw_flow_graph",
-           "draw_grouped_bars", "draw_layer_ranges", "draw_utilization", "flow_digraph", "plan_figure",
-           "plan_view", "save_plan_png"]  # fmt: skip
+__all__ = ["MAX_EDGE_LABELS", "draw_bars", "draw_flow_graph", "draw_flow_table", "draw_grouped_bars",
+           "draw_layer_ranges", "draw_utilization", "flow_graph_size", "legend_handles", "plan_figure",
+           "save_plan_png"]  # fmt: skip
 
 MAX_EDGE_LABELS = 16  # more flow-carrying edges than this: widths only, no numbers
 CUT_RED = "#d62728"
 FLOW_BLUE = "#4a7fb0"
 NODE_SIZE = 230  # points²
 ROW_INCHES = 0.18  # one node's row in the layer-range and utilization views
-
-
-@dataclass(slots=True)
-class PlanView:
-    """What the pictures need, computed once: flows through nodes, capacities, the min cut, the layout."""
-
-    plan: Plan
-    cap: CapacityModel
-    gpu: dict[str, str]
-    through: dict[str, float]
-    capacity: dict[str, float]
-    cut_nodes: set[str]
-    cut_links: set[tuple[str, str]]  # (src, dst) with the coordinator as COORD_IN / COORD_OUT
-    cut_nic: bool
-    layout: PlanLayout
-
-    @property
-    def utilization(self) -> dict[str, float]:
-        return {n: (self.through.get(n, 0.0) / c if c > 0 else 0.0) for n, c in self.capacity.items()}
-
-    def rows(self) -> list[tuple[str, str]]:
-        """(region, node) in drawing order: by region, then start layer; nodes without layers last."""
-        order = {b.name: i for i, b in enumerate(self.layout.regions)}
-        far = self.cap.num_layers + 1
-        return sorted(((self.layout.region_of[n], n) for n in self.gpu),
-                      key=lambda rn: (order[rn[0]], self.plan.placement.get(rn[1], (far, far)), rn[1]))  # fmt: skip
-
-
-def plan_view(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet) -> PlanView:
-    """Flows per node, capacities and the min cut of ``plan`` (which should carry its flows)."""
-    cap = CapacityModel.build(cluster, profiles)
-    coord = cluster.coordinator.id
-    through = node_inflow(plan.flows, coord)
-    capacity = {n: cap.node_capacity(n, e - s) for n, (s, e) in plan.placement.items()}
-    cut_nodes: set[str] = set()
-    cut_links: set[tuple[str, str]] = set()
-    cut_nic = False
-    g = build_graph(cap, dict(plan.placement), partial_handoffs=plan.partial_handoffs)
-    if plan.max_flow_tok_s > 0:
-        _, (reach, _) = nx.minimum_cut(g, SOURCE, SINK)
-        for u in reach:
-            for v in g[u]:
-                if v in reach:
-                    continue
-                if u.endswith("/in") and v.endswith("/out"):
-                    cut_nodes.add(u[:-3])
-                elif "/" not in u and "/" not in v:
-                    cut_nic = True
-                else:
-                    src = u.rsplit("/", 1)[0] if "/" in u else COORD_IN
-                    dst = v.rsplit("/", 1)[0] if "/" in v else COORD_OUT
-                    cut_links.add((src, dst))
-    gpu = {n.id: n.gpu for n in cluster.nodes}
-    layout = plan_layout(cluster, plan, cap.num_layers)
-    return PlanView(plan, cap, gpu, through, capacity, cut_nodes, cut_links, cut_nic, layout)
-
-
-def flow_digraph(view: PlanView, coordinator: str) -> nx.DiGraph:
-    """Nodes and flow-carrying edges, the coordinator split into COORD_IN and COORD_OUT."""
-    g = nx.DiGraph()
-    g.add_node(COORD_IN)
-    g.add_node(COORD_OUT)
-    for node in view.plan.placement:
-        g.add_node(node)
-    for e in view.plan.flows:
-        if e.tok_s <= 1e-9:
-            continue
-        src = COORD_IN if e.src == coordinator else e.src
-        dst = COORD_OUT if e.dst == coordinator else e.dst
-        g.add_edge(src, dst, tok_s=e.tok_s)
-    return g
 
 
 def legend_handles(view: PlanView) -> list[Any]:
@@ -226,29 +153,6 @@ def draw_flow_graph(ax: Any, view: PlanView, coordinator: str = "coordinator", *
     if legend:
         ax.legend(handles=legend_handles(view), loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0,
                   fontsize=7, frameon=False)  # fmt: skip
-
-
-def flow_table(view: PlanView, coordinator: str = "coordinator", *, top: int = 6) -> dict[str, list[tuple[str, float]]]:
-    """The short tables that stand in for edge labels: ``(what, tok/s)`` rows, the largest first.
-
-    ``between regions``: with more than one region, the flow between every two regions (the
-    coordinator counts as its own end: what enters and leaves the pipeline); ``busiest links``:
-    the ``top`` links carrying the most flow.
-    """
-    region_of = view.layout.region_of
-    ends = {COORD_IN: "coordinator", COORD_OUT: "coordinator"}
-    edges = list(flow_digraph(view, coordinator).edges(data="tok_s"))
-    between: dict[tuple[str, str], float] = {}
-    if len(view.layout.regions) > 1:
-        for u, v, f in edges:
-            key = (ends.get(u) or region_of[u], ends.get(v) or region_of[v])
-            if key[0] != key[1]:
-                between[key] = between.get(key, 0.0) + f
-    busiest = sorted(edges, key=lambda e: -e[2])[:top]
-    return {
-        "between regions": [(f"{a} → {b}", f) for (a, b), f in sorted(between.items(), key=lambda kv: -kv[1])],
-        "busiest links": [(f"{ends.get(u, u)} → {ends.get(v, v)}", f) for u, v, f in busiest],
-    }
 
 
 def draw_flow_table(ax: Any, view: PlanView, coordinator: str = "coordinator") -> None:

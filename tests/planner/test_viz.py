@@ -1,4 +1,4 @@
-"""planner.viz and planner.viz_layout: the min cut the picture highlights, where the layout puts
+"""planner.viz, planner.plan_view and planner.viz_layout: the min cut the picture highlights, where the layout puts
 nodes (apart, inside their region's box), the fixed GPU colours, and the PNGs (Agg, no display)."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def paper_milp():  # noqa: ANN201 - (plan, cluster, profiles)
 
 
 def test_plan_view_finds_the_min_cut(paper_milp) -> None:  # noqa: ANN001
-    from planner.viz import plan_view
+    from planner.plan_view import plan_view
 
     plan, cluster, profiles = paper_milp
     view = plan_view(plan, cluster, profiles)
@@ -55,7 +55,7 @@ def test_plan_view_finds_the_min_cut(paper_milp) -> None:  # noqa: ANN001
 
 
 def test_flow_digraph_splits_the_coordinator(paper_milp) -> None:  # noqa: ANN001
-    from planner.viz import flow_digraph, plan_view
+    from planner.plan_view import flow_digraph, plan_view
 
     plan, cluster, profiles = paper_milp
     g = flow_digraph(plan_view(plan, cluster, profiles), cluster.coordinator.id)
@@ -206,7 +206,8 @@ def test_flow_graph_legend_sits_outside_the_axes(paper_milp) -> None:  # noqa: A
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from planner.viz import draw_flow_graph, flow_graph_size, plan_view
+    from planner.plan_view import plan_view
+    from planner.viz import draw_flow_graph, flow_graph_size
 
     plan, cluster, profiles = paper_milp
     view = plan_view(plan, cluster, profiles)
