@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from helix.errors import EngineError
 from node_agent.kv_account import KVAccount, KVUsage
@@ -64,6 +65,7 @@ class SequenceState:
     reserve_tokens: int
     computed_tokens: int = 0  # tokens whose KV this stage holds
     pending_tokens: int = 0  # inputs arrived but not yet run
+    order: int = 0  # when it was admitted, among this stage's admissions (running requests are served in it)
 
     @property
     def in_prefill(self) -> bool:
@@ -101,6 +103,9 @@ class Batch:
         return bool(self.work)
 
 
+_ADMISSION = attrgetter("order")
+
+
 class Scheduler:
     """FCFS admission with KV reservation; decodes plus ``chunk_size`` prefill tokens, or plus whole prompts."""
 
@@ -109,6 +114,10 @@ class Scheduler:
         self.waiting: deque[SequenceState] = deque()
         self.running: dict[str, SequenceState] = {}  # insertion order = admission order (FCFS)
         self._all: dict[str, SequenceState] = {}
+        # the running requests with pending input: a step looks at these only (a pipeline stage holds many
+        # requests, most of them waiting for their next token elsewhere)
+        self._ready: dict[str, SequenceState] = {}
+        self._admissions = 0
 
     def add(self, request_id: str, prompt_tokens: int, max_tokens: int, pending_tokens: int = 0) -> None:
         """Queue a request; raises ``CapacityError`` if its reservation could never fit."""
@@ -122,7 +131,10 @@ class Scheduler:
 
     def add_input(self, request_id: str, num_tokens: int) -> None:
         """``num_tokens`` more inputs arrived for ``request_id``."""
-        self._all[request_id].pending_tokens += num_tokens
+        seq = self._all[request_id]
+        seq.pending_tokens += num_tokens
+        if seq.pending_tokens and request_id in self.running:
+            self._ready[request_id] = seq
 
     def remove(self, request_id: str) -> None:
         """Drop a request (finished or cancelled) and release its KV reservation."""
@@ -131,6 +143,7 @@ class Scheduler:
             return
         if self.running.pop(request_id, None) is None:
             self.waiting.remove(seq)
+        self._ready.pop(request_id, None)
         self.kv.release(request_id)
 
     def __contains__(self, request_id: str) -> bool:
@@ -154,6 +167,10 @@ class Scheduler:
             self.waiting.popleft()
             self.kv.reserve(head.request_id, head.reserve_tokens)
             self.running[head.request_id] = head
+            head.order = self._admissions
+            self._admissions += 1
+            if head.pending_tokens:
+                self._ready[head.request_id] = head
             admitted.append(head.request_id)
         return admitted
 
@@ -161,13 +178,14 @@ class Scheduler:
         """Pick this step's work. Pure: nothing changes until :meth:`update`."""
         batch = Batch(admitted=self._admit())
         budget = self.config.token_budget
-        for seq in self.running.values():
-            if not seq.in_prefill and seq.pending_tokens and budget:
+        ready = sorted(self._ready.values(), key=_ADMISSION) if len(self._ready) > 1 else list(self._ready.values())
+        for seq in ready:
+            if budget and not seq.in_prefill:
                 batch.work.append(ScheduledWork(seq.request_id, 1, seq.computed_tokens, False, True))
                 budget -= 1
         chunk = self.config.chunk_size
-        for seq in self.running.values():
-            if not (seq.in_prefill and seq.pending_tokens):
+        for seq in ready:
+            if not seq.in_prefill:
                 continue
             todo = min(seq.pending_tokens, seq.prompt_tokens - seq.computed_tokens)
             if chunk is not None:
@@ -192,5 +210,7 @@ class Scheduler:
             if seq is not None:
                 seq.computed_tokens += work.num_tokens
                 seq.pending_tokens -= work.num_tokens
+                if not seq.pending_tokens:
+                    self._ready.pop(work.request_id, None)
         for request_id in finished:
             self.remove(request_id)
