@@ -203,8 +203,8 @@ def main() -> int:
                   f"{r.prompt_latency_s['p50']:.2f}", f"{r.extra['prompt_latency_from_admission_p50_s']:.2f}",
                   f"{r.decode_latency_s['p50']:.3f}")
     console.print(t)
-    console.print("[dim]prompt p50: arrival to first token (offline, a request waits in the backlog for KV first); "
-                  "from admission: as the paper's simulator counts it[/]")
+    console.print("[dim]prompt p50: arrival to first token (a request waits in the coordinator's queue while KV "
+                  "masks every route); from admission: as the paper's simulator counts it[/]")
     console.print(ranking_line(ests, {k: v.decode_tok_s for k, v in sims.items()}))
 
     head = RoundLog()
@@ -282,7 +282,7 @@ def main() -> int:
     for pname, plan, r_iwrr in routing_on:
         oracle = Simulation(cluster, profiles, plan, SimConfig()).kv_bound_inflight()
         t = Table(title=f"Routing on the {pname} placement (offline)")
-        for c in ("router", "admission", "mean in flight", "decode tok/s", "IWRR ÷ this", "preemptions",
+        for c in ("router", "admission", "mean in flight", "decode tok/s", "IWRR ÷ this", "waited for KV",
                   "max KV peak (true)", "prompt p50 s", "decode p50 s/tok"):
             t.add_column(c, justify="left" if c in ("router", "admission") else "right")
         rows: list[tuple[str, str, SimResult]] = [("IWRR + KV masking", "KV feeder", r_iwrr)]
@@ -305,7 +305,7 @@ def main() -> int:
                 random_fixed[n] = r.decode_tok_s
         for label, adm, r in rows:
             t.add_row(label, adm, f"{r.extra.get('mean_inflight', float('nan')):.0f}", f"{r.decode_tok_s:.1f}",
-                      f"{r_iwrr.decode_tok_s / r.decode_tok_s:.2f}", str(r.preemptions),
+                      f"{r_iwrr.decode_tok_s / r.decode_tok_s:.2f}", str(r.kv_waits),
                       f"{max(r.kv_peak_fraction.values()):.0%}", f"{r.prompt_latency_s['p50']:.2f}",
                       f"{r.decode_latency_s['p50']:.3f}")
         console.print(t)
@@ -322,7 +322,7 @@ def main() -> int:
         console.print(f"[dim]fixed {oracle} = requests of expected length the fullest layer's KV holds at "
                       f"feed_hwm (an oracle's choice no real router makes)[/]")
 
-    # 4. KV peaks (true use never passes capacity: the nodes preempt instead) and steady state
+    # 4. KV peaks (true use never passes capacity: the nodes' schedulers reserve it first) and steady state
     for pname, plan, r_iwrr in routing_on:
         r_rand = random_runs[pname]
         t = Table(title=f"Peak KV per node, {pname} placement, KV feeder (fraction of the node's KV capacity)")

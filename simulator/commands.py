@@ -98,7 +98,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     for name, d in (("prompt latency (s)", result.prompt_latency_s), ("decode latency (s/token)", result.decode_latency_s)):
         t.add_row(name, "  ".join(f"{k} {v:.3f}" for k, v in d.items()))
     t.add_row("requests finished / admitted", f"{result.finished_requests} / {result.admitted_requests}")
-    t.add_row("preemptions (KV full)", str(result.preemptions))
+    t.add_row("requests that waited for a node's KV", str(result.kv_waits))
     print_table(console, t)
     console.print(f"measured {args.duration:g} simulated s after a warm-up of {args.warmup:g} s; "
                   f"load: {describe_load(args, mode, len(trace) if trace is not None else None)}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from simulator.state import SimNode
+from simulator.nodes import SimNode
 
 ScheduleEnd = Callable[[float, SimNode], None]  # (time, node): the node's iteration ends then
 

@@ -7,8 +7,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from helix.errors import ConfigError
 from helix.perf_model import DECODE_CONTEXT_PER_SLOT, HOST_COPY_GB_PER_S, PROMPT_SLOT_TOKENS
+from simulator.routing import FLOWS
 from simulator.workload import RequestSpec
+
+MODES = ("offline", "online")
 
 
 @dataclass(slots=True)
@@ -27,12 +31,16 @@ class SimConfig:
     expected_output_tokens: float = 232.0
     feed_hwm: float = 0.8
     offline_initial: int = 20
-    max_inflight: int | None = None  # offline: None = the KV feeder (every router); N = keep N in flight
+    max_inflight: int | None = None  # offline: None = the paper's KV feeder (every router); N = N clients in a loop
     num_requests: int | None = None  # stop issuing after this many and drain (tests)
     kv_report_interval_s: float = 1.0
     iteration_overhead_ms: float = 0.0  # CPU per iteration beyond the profile's step: agents' messaging, a co-located coordinator
     host_cores: int | None = None  # nodes on one host (address) run at most this many iterations at once
     prefill_chunk_tokens: int | None = None  # Sarathi: one prefill chunk of at most this many tokens per iteration
+    # the agent's own bounds (--max-batch-size, --token-budget); None: a node holds as many requests as its KV
+    # reserves and an iteration is bounded by the profile's limits alone, as the paper's vLLM nodes
+    max_batch_size: int | None = None
+    token_budget: int | None = None
     gather_window_ms: float = 0.0  # an idle node woken by an arrival starts this much later (helix agent: 3 ms)
     bucket_s: float = 10.0
     # the paper simulator's mechanisms we believe for a real GPU cluster (issue 21, docs/simulator.md), on by
@@ -47,6 +55,27 @@ class SimConfig:
     # the paper simulator's messages: one per request, back to back (an idle node starts on the first); off: one
     # message per next hop per batch, as an agent that gathers a burst before it steps receives it
     per_request_messages: bool = False
+
+    def check(self) -> None:
+        """ConfigError naming the first setting out of range."""
+        if self.mode not in MODES:
+            raise ConfigError(f"unknown mode {self.mode!r} (offline or online)", field="--mode")
+        if self.flows not in FLOWS:
+            raise ConfigError(f"unknown flows {self.flows!r} ({' or '.join(FLOWS)})", field="flows")
+        for name in ("host_cores", "prefill_chunk_tokens", "prompt_slot_tokens", "max_batch_size", "token_budget",
+                     "max_inflight"):  # fmt: skip
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be at least 1 (or None: off), got {value}", field=name)
+        if self.token_budget is not None and (self.max_batch_size is None or self.token_budget < self.max_batch_size):
+            raise ConfigError(f"token_budget ({self.token_budget}) needs a max_batch_size it is at least "
+                              f"(got {self.max_batch_size}): every decode of a full batch must fit", field="token_budget")
+        if self.decode_context_per_slot is not None and self.decode_context_per_slot <= 0:
+            raise ConfigError(f"decode_context_per_slot must be positive (or None: off), got "
+                              f"{self.decode_context_per_slot}", field="decode_context_per_slot")  # fmt: skip
+        if any(rate <= 0 for rate in self.host_copy_gb_per_s):
+            raise ConfigError(f"host_copy_gb_per_s rates must be positive, got {self.host_copy_gb_per_s}",
+                              field="host_copy_gb_per_s")  # fmt: skip
 
 
 # SimConfig(**LEGACY_MECHANISMS): our simulator as it was before issue 21 adopted the paper simulator's mechanisms
@@ -65,7 +94,7 @@ class SimResult:
     decode_latency_s: dict[str, float]
     finished_requests: int
     admitted_requests: int
-    preemptions: int
+    kv_waits: int  # requests that could not start at once on a node (its KV reservations or batch slots full)
     max_inflight: int | None  # None: KV-fed
     node_utilization: dict[str, float]
     kv_peak_fraction: dict[str, float]
@@ -88,7 +117,7 @@ class SimResult:
             "decode_latency_s": self.decode_latency_s,
             "finished_requests": self.finished_requests,
             "admitted_requests": self.admitted_requests,
-            "preemptions": self.preemptions,
+            "kv_waits": self.kv_waits,
             "max_inflight": self.max_inflight,
             "node_utilization": self.node_utilization,
             "kv_peak_fraction": self.kv_peak_fraction,

@@ -69,14 +69,13 @@ def test_offline_drain_conserves_requests_and_respects_kv(paper, router) -> None
 
 def test_kv_never_exceeds_capacity_under_overload(paper) -> None:
     cluster, profiles, plans = paper
-    # random routing with far too many requests in flight: the nodes must preempt, never overfill
+    # random routing with far too many requests in flight: the coordinator's estimate overfills nodes, whose
+    # schedulers make requests wait for their KV reservation (the agents never preempt) and never overfill
     res = simulate(cluster, profiles, plans["milp"],
                    SimConfig(router="random", max_inflight=900, duration_s=200.0, warmup_s=0.0, lengths="fixed:1500,1000"))
-    assert res.preemptions > 0
+    assert max(res.kv_estimate_peak_fraction.values()) > 1.0  # no masking: the router sent more than fits
+    assert res.kv_waits > 0 and res.decode_tok_s > 0  # they waited, and the cluster kept serving
     assert max(res.kv_peak_fraction.values()) <= 1.0 + 1e-9
-    # a victim waits for a finished request to free KV (re-admitted at once, it would go straight back into a
-    # full node: endless churn), so the population in flight dips below the fixed count
-    assert res.extra["mean_inflight"] < 900
     # IWRR's watermark keeps its own estimate under the watermark
     res = simulate(cluster, profiles, plans["milp"], SimConfig(duration_s=60.0, warmup_s=0.0))
     assert max(res.kv_estimate_peak_fraction.values()) <= 0.85 + 1e-9

@@ -1,0 +1,379 @@
+"""A simulated node: one agent's own scheduler (:class:`node_agent.scheduler.Scheduler` over a
+:class:`node_agent.kv_account.KVAccount`), its iterations priced by the profile's curves
+(:mod:`helix.perf_model`, as the planner prices them).
+
+A node receives what an agent receives (``node_agent/agent.py``): on the first stage the
+coordinator's ADMIT (the prompt's ids) and STEP (the token to decode next), on later stages
+:class:`Hidden` activations from the stage before (the agent's ACTIVATIONS; only their size
+matters here, and every one carries the request's admission), on every stage CANCEL. As the
+agent does, it adds a request to its scheduler when it first sees it (the scheduler reserves
+prompt + max_tokens of KV and never preempts; a request that could never fit is REFUSED),
+feeds the inputs as they arrive, runs the scheduler's batch as one iteration, sends each
+request's activations on to its next stage (a chunk as soon as it ran), samples on the last
+stage (ending a request by :func:`helix.domain.token_finish`, the agent's rule) and, holding the
+whole model for a request, feeds the sampled token to its own next step.
+
+Two things differ from the agent on purpose (docs/simulator.md, "Where the nodes differ from the
+agents"): :class:`IterationLimits`, the per-iteration limits of the paper's vLLM nodes, trim the
+scheduler's batch; and unless ``SimConfig.max_batch_size`` is set, a node holds as many requests
+as its KV reserves, as those vLLM nodes do (the agent bounds them by ``--max-batch-size``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from helix import wire
+from helix.domain import ErrorCode, Stage, token_finish
+from helix.errors import CapacityError, ConfigError
+from helix.perf_model import NodeCurves, Span, host_copy_s_per_byte, prompts_per_iteration
+from helix.plan import Plan
+from helix.profile import ProfileSet
+from helix.spec import ClusterSpec
+from node_agent.kv_account import KVAccount
+from node_agent.scheduler import Batch, Scheduler, SchedulerConfig
+from simulator.results import SimConfig
+
+TOKEN = 0  # what every simulated sample yields: only how many tokens there are matters
+UNBOUNDED_KV_TOKENS = 2**40  # a node whose profile gives no KV capacity
+
+
+@dataclass(frozen=True, slots=True)
+class IterationLimits:
+    """What one iteration of the paper's vLLM nodes may hold (its artifact's ``execution_policy.py``):
+    at most ``decodes`` decoding requests whose contexts sum to at most ``decode_context``, and, with
+    whole prompts (``chunked`` False), at most ``prompt_tokens`` prompt tokens in at most ``prompts``
+    prompts (the first prompt always runs). ``None``: no such limit."""
+
+    decodes: int
+    prompt_tokens: int
+    prompts: int | None = None
+    decode_context: float | None = None
+    chunked: bool = False
+
+    def trim(self, batch: Batch) -> Batch:
+        """``batch`` less what passes the limits; what is left out stays pending for a later iteration.
+        Decodes that do not fit are skipped (a shorter context may still fit), prompts stop at the first
+        that does not (first come, first served, as the scheduler takes them)."""
+        if len(batch.work) < 2:  # the first decode and the first prompt always run
+            return batch
+        work, cut = [], False
+        decodes = prompts = tokens = context = 0
+        for w in batch.work:
+            if not w.is_prefill:
+                ctx = w.first_position + 1
+                if decodes >= self.decodes or (self.decode_context is not None and decodes
+                                               and context + ctx > self.decode_context):  # fmt: skip
+                    cut = True
+                    continue
+                decodes += 1
+                context += ctx
+            elif not self.chunked:
+                if prompts and (tokens + w.num_tokens > self.prompt_tokens
+                                or (self.prompts is not None and prompts >= self.prompts)):  # fmt: skip
+                    cut = True
+                    break
+                prompts += 1
+                tokens += w.num_tokens
+            work.append(w)
+        return Batch(work, batch.admitted) if cut else batch
+
+    def passed(self, decodes: int, context: int, prompts: int, prompt_tokens: int) -> bool:
+        """Whether a batch of these totals passes the limits (:meth:`trim` would cut it)."""
+        if decodes > self.decodes or (self.decode_context is not None and decodes > 1 and context > self.decode_context):
+            return True
+        return not self.chunked and prompts > 1 and (prompt_tokens > self.prompt_tokens
+                                                     or (self.prompts is not None and prompts > self.prompts))  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class StepCosts:
+    """What an iteration costs beyond the profile's curves: host CPU per iteration, and the bytes a node
+    received for the batch copied to the GPU first (``copy_s_per_byte``; activations ``act_bytes`` per
+    token from other nodes, token ids ``tok_bytes`` each from the coordinator)."""
+
+    overhead_ms: float = 0.0
+    copy_s_per_byte: float = 0.0
+    act_bytes: float = 0.0
+    tok_bytes: float = 0.0
+
+
+class Visit:
+    """One request on one node (the agent's route): its pipeline, this node's hop, what it generated here."""
+
+    __slots__ = ("stages", "hop", "entry", "prompt", "max_tokens", "last", "loops", "next_node", "generated", "t_in")
+
+    def __init__(self, stages: tuple[Stage, ...], hop: int, prompt: int, max_tokens: int, now: float) -> None:
+        self.stages, self.hop, self.prompt, self.max_tokens = stages, hop, prompt, max_tokens
+        self.entry = stages[hop].layer_start
+        self.last = hop == len(stages) - 1
+        self.loops = len(stages) == 1  # holds the whole model for it: samples feed its own next step
+        self.next_node = "" if self.last else stages[hop + 1].node
+        self.generated = 0
+        self.t_in = now  # when its latest input arrived (Swarm's estimate of the time spent here)
+
+
+class Hidden(NamedTuple):
+    """Activations of ``tokens`` positions of a request from the stage before (``sender``: its visit there)."""
+
+    wire_id: str
+    tokens: int
+    sender: Visit
+
+
+NodeInput = wire.Admit | wire.Step | wire.Cancel | Hidden
+Observe = Callable[[str, float], None]  # (node, seconds a request's input spent there): Swarm routing's feedback
+
+
+class SimNode:
+    """One placed node: its layers, curves, scheduler, the requests on it and the iteration it runs."""
+
+    __slots__ = ("id", "start", "end", "k", "curves", "head_share", "kv_tokens", "scheduler", "limits", "costs",
+                 "visits", "cancelled", "batch", "busy", "waking", "version", "remaining", "busy_s", "iters", "used",
+                 "used_peak", "kv_waits", "_blocked", "_inputs")
+
+    def __init__(self, nid: str, start: int, end: int, curves: NodeCurves, *, last: bool, kv_tokens: int,
+                 scheduler: SchedulerConfig, limits: IterationLimits, costs: StepCosts) -> None:  # fmt: skip
+        self.id, self.start, self.end, self.k, self.curves = nid, start, end, end - start, curves
+        self.head_share = 1.0 if last else 0.0  # the head is paid on the stage holding the model's last layer
+        self.kv_tokens = kv_tokens
+        self.scheduler = Scheduler(scheduler, KVAccount(kv_tokens))
+        self.limits, self.costs = limits, costs
+        self.visits: dict[str, Visit] = {}
+        self.cancelled: set[str] = set()  # cancelled before its activations arrived (the agent's tombstones)
+        self.batch: Batch | None = None  # the running iteration's
+        self.busy = False
+        self.waking = False  # idle, woken by an arrival, gathering the rest of the burst (gather_window_ms)
+        self.version = 0  # of the scheduled end of the running iteration (a shared host reschedules it)
+        self.remaining = 0.0  # seconds of work the running iteration has left (shared hosts)
+        self.busy_s = 0.0
+        self.iters = 0
+        self.used = self.used_peak = 0  # KV tokens computed (held for real), now and at most
+        self.kv_waits = 0  # requests that could not start here at once (KV reservation or batch slots full)
+        self._blocked: set[str] = set()
+        self._inputs = 0  # input tokens arrived and not yet run, over every request here (0: nothing to schedule)
+
+    # -- what arrives -----------------------------------------------------------------------------
+
+    def receive(self, items: list[NodeInput], now: float) -> list[wire.Refused]:
+        """Apply what arrived, as the agent does; the REFUSED to send back to the coordinator."""
+        refused: list[wire.Refused] = []
+        sched, visits = self.scheduler, self.visits
+        for m in items:
+            if type(m) is Hidden:
+                visit = visits.get(m.wire_id)
+                if visit is None:
+                    if m.wire_id in self.cancelled:
+                        continue
+                    s = m.sender
+                    visit = self._add(m.wire_id, Visit(s.stages, s.hop + 1, s.prompt, s.max_tokens, now), 0, refused)
+                    if visit is None:
+                        continue
+                visit.t_in = now
+                sched.add_input(m.wire_id, m.tokens)
+                self._inputs += m.tokens
+            elif type(m) is wire.Step:
+                visit = visits.get(m.request_id)
+                if visit is not None and not visit.loops:
+                    visit.t_in = now
+                    sched.add_input(m.request_id, 1)
+                    self._inputs += 1
+            elif type(m) is wire.Admit:
+                stages = tuple(ref.stage for ref in m.pipeline)
+                self._add(m.request_id, Visit(stages, 0, len(m.prompt), m.max_tokens, now), len(m.prompt), refused)
+            elif type(m) is wire.Cancel:
+                if m.request_id in visits:
+                    self._forget(m.request_id)
+                else:
+                    self.cancelled.add(m.request_id)
+        return refused
+
+    def _add(self, wire_id: str, visit: Visit, pending: int, refused: list[wire.Refused]) -> Visit | None:
+        try:
+            self.scheduler.add(wire_id, visit.prompt, visit.max_tokens, pending_tokens=pending)
+        except CapacityError as exc:
+            self.cancelled.add(wire_id)
+            refused.append(wire.Refused(wire_id, self.id, ErrorCode.CAPACITY, exc.message))
+            return None
+        self.visits[wire_id] = visit
+        self._inputs += pending
+        return visit
+
+    def _forget(self, wire_id: str) -> None:
+        del self.visits[wire_id]
+        sched = self.scheduler
+        seq = sched.running.get(wire_id) or next(s for s in sched.waiting if s.request_id == wire_id)
+        self.used -= seq.computed_tokens
+        self._inputs -= seq.pending_tokens
+        sched.remove(wire_id)
+        self._blocked.discard(wire_id)
+
+    def queued(self) -> int:
+        """Requests with input waiting here or in the running iteration (shortest-queue routing)."""
+        sched = self.scheduler
+        pending = sum(1 for s in sched.running.values() if s.pending_tokens) + len(sched.waiting)
+        return pending + (len(self.batch.work) if self.batch is not None else 0)
+
+    # -- one iteration ----------------------------------------------------------------------------
+
+    def plan(self) -> float | None:
+        """Take the scheduler's next batch (trimmed by the limits) and return what it costs in seconds;
+        None when nothing can run."""
+        if not self._inputs:
+            return None
+        sched = self.scheduler
+        batch = sched.schedule()
+        for rid in batch.admitted:
+            self._blocked.discard(rid)
+        for seq in sched.waiting:  # strict FCFS: whatever is still waiting could not start
+            if seq.request_id not in self._blocked:
+                self._blocked.add(seq.request_id)
+                self.kv_waits += 1
+        if not batch.work:
+            return None
+        seconds = self._price(batch, self.limits)
+        if seconds is None:  # past the limits: trim (rarely needed, so priced in one pass first)
+            batch = self.limits.trim(batch)
+            seconds = self._price(batch, None)
+            assert seconds is not None
+        self.batch = batch
+        return seconds
+
+    def _price(self, batch: Batch, limits: IterationLimits | None) -> float | None:
+        """What ``batch`` costs in seconds; None when it passes ``limits``."""
+        by_start: dict[int, list[int]] = {}
+        from_nodes = from_coord = sampled = decodes = context = prompts = prompt_tokens = 0
+        visits = self.visits
+        for w in batch.work:
+            v = visits[w.request_id]
+            acc = by_start.get(v.entry)
+            if acc is None:
+                acc = by_start[v.entry] = [0, 0, 0]
+            if w.is_prefill:
+                acc[0] += w.num_tokens
+                received = w.num_tokens
+                prompts += 1
+                prompt_tokens += w.num_tokens
+            else:
+                acc[1] += 1
+                acc[2] += w.first_position + 1  # the context it attends over
+                received = 0 if v.loops else 1
+                decodes += 1
+                context += w.first_position + 1
+            if v.hop:
+                from_nodes += received
+            else:
+                from_coord += received
+            if v.last and w.ends_prompt_or_decodes:
+                sampled += 1
+        if limits is not None and limits.passed(decodes, context, prompts, prompt_tokens):
+            return None
+        c = self.costs
+        copy = (from_nodes * c.act_bytes + from_coord * c.tok_bytes) * c.copy_s_per_byte
+        return (self.iteration_ms(by_start, sampled) + c.overhead_ms) / 1000.0 + copy
+
+    def complete(self, now: float, observe: Observe | None) -> tuple[dict[str, list[Hidden]], list[wire.TokenOut]]:
+        """The running iteration ended: account it in the scheduler; the activations to send on (by next
+        node) and the tokens sampled (for the coordinator). A request that ends here is dropped at once."""
+        batch, self.batch = self.batch, None
+        assert batch is not None
+        forwards: dict[str, list[Hidden]] = {}
+        tokens: list[wire.TokenOut] = []
+        finished: list[str] = []
+        looped: list[str] = []
+        visits = self.visits
+        for w in batch.work:
+            v = visits.get(w.request_id)
+            if v is None:  # cancelled while the iteration ran
+                continue
+            self.used += w.num_tokens
+            self._inputs -= w.num_tokens
+            if observe is not None:
+                observe(self.id, now - v.t_in)
+            if not v.last:
+                hop = forwards.get(v.next_node)
+                if hop is None:
+                    hop = forwards[v.next_node] = []
+                hop.append(Hidden(w.request_id, w.num_tokens, v))
+            elif w.ends_prompt_or_decodes:
+                v.generated += 1
+                reason = token_finish(TOKEN, v.generated, v.max_tokens, ())
+                tokens.append(wire.TokenOut(w.request_id, v.generated - 1, TOKEN, reason))
+                if reason is not None:
+                    finished.append(w.request_id)
+                elif v.loops:
+                    v.t_in = now
+                    looped.append(w.request_id)
+        if self.used > self.used_peak:
+            self.used_peak = self.used
+        self.scheduler.update(batch)
+        for rid in finished:
+            self._forget(rid)
+        for rid in looped:
+            self.scheduler.add_input(rid, 1)
+        self._inputs += len(looped)
+        return forwards, tokens
+
+    def iteration_ms(self, by_start: dict[int, list[int]] | dict[int, tuple[int, int, int]], sampled: int) -> float:
+        """What one iteration costs here (:meth:`helix.perf_model.NodeCurves.iteration_ms`):
+        ``by_start`` maps the first layer requests entered at to their (prefill tokens, decoding
+        requests, those requests' context tokens); a layer runs the tokens of every request that
+        entered at or before it. The head is priced by the ``sampled`` sequences."""
+        if len(by_start) == 1:
+            start, (ptoks, dcount, ctx) = next(iter(by_start.items()))
+            spans: list[Span] = [(self.end - start, ptoks, dcount, ctx)]
+        else:
+            spans = []
+            ptoks = dcount = ctx = 0
+            starts = sorted(by_start)
+            for i, s in enumerate(starts):
+                ptoks += by_start[s][0]
+                dcount += by_start[s][1]
+                ctx += by_start[s][2]
+                spans.append(((starts[i + 1] if i + 1 < len(starts) else self.end) - s, ptoks, dcount, ctx))
+        return self.curves.iteration_ms(spans, sampled=sampled, head_share=self.head_share)
+
+    def kv_report(self) -> tuple[float, float, float]:
+        """What the agent's heartbeat says, in KV entries (tokens x layers here): used, reserved, capacity."""
+        return (float(self.used * self.k), float(self.scheduler.kv.reserved_tokens * self.k),
+                float(self.kv_tokens * self.k))  # fmt: skip
+
+
+def build_nodes(cluster: ClusterSpec, profiles: ProfileSet, plan: Plan, config: SimConfig,
+                kv_entries: Mapping[str, float]) -> dict[str, SimNode]:  # fmt: skip
+    """One :class:`SimNode` per placed node: its profile's curves and limits, ``kv_entries`` of KV (tokens x
+    layers; absent: unbounded), the scheduler as ``config`` sets it."""
+    model = profiles.models[cluster.model]
+    costs = StepCosts(config.iteration_overhead_ms, host_copy_s_per_byte(config.host_copy_gb_per_s),
+                      model.activation_bytes_per_token, model.token_bytes)  # fmt: skip
+    nodes: dict[str, SimNode] = {}
+    for nid, (s, e) in plan.placement.items():
+        gpu = cluster.node(nid).gpu
+        tp = profiles.throughput(gpu, cluster.model)
+        curves = tp.curves()
+        if curves is None:
+            raise ConfigError(
+                f"GPU {gpu!r} has only a tok_s table for {cluster.model}; the simulator needs its latency curves "
+                f"(prefill_ms_per_layer, decode_ms_per_layer): measure them with `helix profile --cluster "
+                f"{cluster.source}` and list the file it writes last in the cluster's profiles:",
+                source=", ".join(str(path) for path in cluster.profile_paths()),
+                field=f"gpus.{gpu}.throughput.{cluster.model}",
+            )
+        if not config.decode_floor:
+            curves = dataclasses.replace(curves, decode_floor=False)
+        k = e - s
+        pmax = tp.prompt_max_tokens_by_layers[k - 1] if tp.prompt_max_tokens_by_layers else 4096
+        dmax = tp.decode_max_tokens_by_layers[k - 1] if tp.decode_max_tokens_by_layers else 256
+        kv_tokens = max(1, int(kv_entries[nid] // k)) if nid in kv_entries else UNBOUNDED_KV_TOKENS
+        running = config.max_batch_size or kv_tokens  # a request holds at least one token
+        budget = config.token_budget or running + int(pmax)  # unset: the limits below bound an iteration
+        per_slot = config.decode_context_per_slot
+        limits = IterationLimits(int(dmax), int(pmax), prompts_per_iteration(pmax, config.prompt_slot_tokens),
+                                 None if per_slot is None else dmax * per_slot, config.prefill_chunk_tokens is not None)
+        nodes[nid] = SimNode(nid, s, e, curves, last=e == model.num_layers, kv_tokens=kv_tokens,
+                             scheduler=SchedulerConfig(running, budget, config.prefill_chunk_tokens),
+                             limits=limits, costs=costs)  # fmt: skip
+    return nodes
