@@ -225,3 +225,26 @@ def test_user_docs_do_not_send_users_to_files_outside_the_clone() -> None:
     for doc in USER_DOCS:
         text = doc.read_text(encoding="utf-8")
         assert "DESIGN.md" not in text, f"{doc.name} mentions DESIGN.md, which a clone does not have"
+
+
+def test_the_architecture_picture_is_drawn_from_the_imports(tmp_path: Path) -> None:
+    """docs/architecture_figure.py draws the package imports it finds; each one is allowed by the
+    dependency table, and the page shows the picture."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("architecture_figure", ROOT / "docs" / "architecture_figure.py")
+    assert spec is not None and spec.loader is not None
+    figure = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(figure)
+    drawn = figure.draw(tmp_path / "a.svg")
+    assert ("router", "helix") in drawn and ("simulator", "router") in drawn
+    assert (tmp_path / "a.svg").read_text().count("<svg") == 1
+    from tests.test_dependencies import ALLOWED_MODULES, TABLE
+
+    def forbidden(a: str, b: str) -> bool:  # a package the table forbids, bar the few modules it names
+        return b in TABLE[a][0] and b not in {m.split(".")[0] for m in ALLOWED_MODULES.get(a, set())}
+
+    assert not [(a, b) for a, b in drawn if forbidden(a, b)], "the picture shows an import the table forbids"
+    assert all(module.split("/")[0] in figure.PACKAGES or module == "client" for module, _ in figure.ROUTE)
+    assert all((ROOT / module).is_file() for module, _ in figure.ROUTE if module != "client")
+    assert "](architecture.svg)" in (ROOT / "docs" / "architecture.md").read_text()
