@@ -18,6 +18,8 @@ PACKAGES = ("helix", "planner", "profiler", "router", "node_agent", "simulator")
 # where each package's box sits (x, y), helix (the shared vocabulary) at the bottom
 POSITIONS = {"router": (1.0, 3.0), "simulator": (3.0, 3.0), "profiler": (5.0, 3.0),
              "planner": (2.0, 1.8), "node_agent": (4.0, 1.8), "helix": (3.0, 0.6)}  # fmt: skip
+# imports allowed only for the named modules (tests/test_dependencies.py ALLOWED_MODULES): drawn dashed
+NARROW = {("simulator", "node_agent"): "scheduler,\nkv_account only"}
 ROUTE = (
     ("client", "HTTP (openai client)"),
     ("router/app.py", "validate, tokenize"),
@@ -66,8 +68,17 @@ def draw(out: Path) -> set[tuple[str, str]]:
     left.set_title("packages: an arrow is an import (helix/cli.py's lazy dispatch left out)", fontsize=10)
     for a, b in sorted(edges):
         (x0, y0), (x1, y1) = POSITIONS[a], POSITIONS[b]
-        left.annotate("", xy=(x1, y1 + 0.18), xytext=(x0, y0 - 0.18),
-                      arrowprops={"arrowstyle": "->", "color": "#555", "lw": 1.2, "shrinkA": 4, "shrinkB": 4})
+        few = NARROW.get((a, b))  # only the modules named may be imported: dashed, labelled
+        style = {"arrowstyle": "->", "color": "#555", "lw": 1.2, "shrinkA": 4, "shrinkB": 4,
+                 "linestyle": "--" if few else "-"}  # fmt: skip
+        if y0 == y1:  # side by side: from one box's side to the other's
+            side = 0.5 if x1 > x0 else -0.5
+            start, end = (x0 + side, y0), (x1 - side, y1)
+        else:
+            start, end = (x0, y0 - 0.18), (x1, y1 + 0.18)
+        left.annotate("", xy=end, xytext=start, arrowprops=style)
+        if few:
+            left.text((start[0] + end[0]) / 2 + 0.1, (start[1] + end[1]) / 2, few, fontsize=8, color="#555")
     for name, (x, y) in POSITIONS.items():
         left.text(x, y, name, ha="center", va="center", fontsize=11,
                   bbox={"boxstyle": "round,pad=0.5", "fc": "#dde8f5" if name != "helix" else "#f5ecd6", "ec": "#333"})
