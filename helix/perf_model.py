@@ -1,7 +1,7 @@
 """The performance model: what a node's measured curves say an iteration costs, and the
 network-free bound on a cluster's throughput. One owner for three users: the profile's
 ``tok_s`` derivation (:func:`helix.profile.derive_tok_s`), the planner's serving model
-(:mod:`planner.serving_model`) and the simulator (:mod:`simulator.state`). Pure Python, no
+(:mod:`planner.serving_model`) and the simulator (:mod:`simulator.nodes`). Pure Python, no
 numpy: the simulator calls it once per iteration.
 
 **Reading a curve** (:meth:`CostCurve.at`; points ``(x, ms)`` sorted by ``x``, ``x`` a batch
@@ -19,7 +19,7 @@ size in tokens or requests):
 The three copies this module replaces each had their own rule below the first point:
 ``helix/profile.py`` (``_interp``) was proportional, ``y_0 * x / x_0``, for the per-layer
 curves and flat for the per-step ones; ``planner/serving_model.py`` (``interp``) was flat for
-every curve; ``simulator/state.py`` (``latency_table``, a table over integer ``x`` by
+every curve; ``simulator/state.py`` (gone; ``latency_table``, a table over integer ``x`` by
 ``np.interp``) was proportional for the per-layer curves, flat for the per-step ones, 0 at
 ``x = 0``, and flat past the end of its table. We keep the flat rule (above) and the
 simulator's 0 at ``x <= 0``. The profiler and the paper's tables start their per-layer curves
