@@ -32,6 +32,7 @@ from helix.addresses import host_of
 from helix.errors import ConfigError
 from helix.profile import GpuProfile, ModelProfile, ProfileSet, ThroughputProfile, load_profile_file
 from helix.spec import ClusterSpec
+from profiler.device import device_name, free_memory_bytes
 from profiler.files import (
     LINKS_FILE_NAME,
     MEASURED_PROFILES_NAME,
@@ -40,9 +41,10 @@ from profiler.files import (
     write_links,
     write_profiles,
 )
+from profiler.kv_capacity import default_reserve, memory_limits
 from profiler.kv_reserve import KvReserve
 from profiler.links import LinkMeasurement, ProbeSet, is_local
-from profiler.measure import MeasureSettings, default_reserve, device_name, free_memory_bytes, memory_limits
+from profiler.measure import MeasureSettings
 from profiler.nodes import combine, measure_nodes
 
 log = logging.getLogger(__name__)

@@ -27,8 +27,8 @@ from helix.perf_model import CostCurve
 from helix.profile import ProfileSet
 from helix.spec import load_cluster
 from profiler.files import LINKS_FILE_NAME, MEASURED_PROFILES_NAME
+from profiler.kv_capacity import DEFAULT_MIN_KV_TOKENS_PER_LAYER, default_reserve
 from profiler.kv_reserve import DEFAULT_KV_CONTEXT_TOKENS, DEFAULT_KV_REQUESTS, KvReserve
-from profiler.measure import DEFAULT_MIN_KV_TOKENS_PER_LAYER
 
 
 def add_profile_arguments(p: argparse.ArgumentParser) -> None:
@@ -168,7 +168,7 @@ def _run_measure(args: argparse.Namespace) -> int:
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from profiler.cluster_profile import profile_cluster
-    from profiler.measure import MeasureSettings, default_reserve
+    from profiler.measure import MeasureSettings
 
     cluster = load_cluster(args.cluster)
     if args.model_dir is not None and not Path(args.model_dir).is_dir():

@@ -18,22 +18,20 @@ of every point, ``repeats`` times): see :func:`_step_curves`.
 
 From the three stages' step times come the per-layer curves (see :func:`measure_device`). The
 two middle stages are long enough that their weights do not fit the device's last-level cache
-(:func:`probe_stage_layers`): a real stage streams its weights from memory every step, and a
-one-layer probe that stays in cache made decode look up to twice as cheap as it is on CPU.
+(:func:`profiler.device.probe_stage_layers`): a real stage streams its weights from memory every
+step, and a one-layer probe that stays in cache made decode look up to twice as cheap as it is on CPU.
 
-KV capacity comes from free memory (``MemAvailable`` on CPU, ``torch.cuda.mem_get_info`` on a
-GPU) divided among the nodes sharing the device, times ``MEMORY_UTILIZATION``, minus the
-weights of the layers held, over the engine's KV bytes per token per layer; the layer limit is
-the most layers whose weights fit beside the KV reserve (:mod:`profiler.kv_reserve`; by default
-``min_kv_tokens_per_layer`` of KV in every layer held).
+KV capacity (:mod:`profiler.kv_capacity`) comes from free memory (``MemAvailable`` on CPU,
+``torch.cuda.mem_get_info`` on a GPU) divided among the nodes sharing the device, times
+``MEMORY_UTILIZATION``, minus the weights of the layers held, over the engine's KV bytes per
+token per layer; the layer limit is the most layers whose weights fit beside the KV reserve
+(:mod:`profiler.kv_reserve`; by default ``min_kv_tokens_per_layer`` of KV in every layer held).
 """
 
 from __future__ import annotations
 
 import logging
-import platform
 import statistics
-import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,15 +39,15 @@ from pathlib import Path
 from typing import Any
 
 from helix.errors import ConfigError
-from profiler.kv_reserve import KvReserve, LayerLimit
+from profiler.device import last_level_cache_bytes, probe_stage_layers, step_clock
+from profiler.kv_capacity import DEFAULT_MIN_KV_TOKENS_PER_LAYER
+from profiler.step_costs import layer_slopes, with_step_costs
 
 log = logging.getLogger(__name__)
 
-MEMORY_UTILIZATION = 0.9
 DEFAULT_PREFILL_TOKENS = (16, 64, 128, 256)  # the agent's prefill chunk is 256
 DEFAULT_DECODE_BATCHES = (1, 2, 4, 8, 16, 32)
 DEFAULT_CONTEXT_TOKENS = 64
-DEFAULT_MIN_KV_TOKENS_PER_LAYER = 65536
 DEFAULT_LONG_CONTEXT_TOKENS = 512  # far enough from context_tokens that the growth stands out of the noise
 DEFAULT_CONTEXT_BATCH = 8
 MEASURE_VERSION = 8  # bump when what measure_device returns changes (invalidates caches)
@@ -83,83 +81,6 @@ class MeasureSettings:
             "context_batch": self.context_batch,
             "repeats": self.repeats,
         }
-
-
-def device_name(device: str = "cpu") -> str:
-    """A stable name of the device the engine runs on (part of the cache key)."""
-    if device.startswith("cuda"):
-        import torch
-
-        return f"cuda:{torch.cuda.get_device_name(torch.device(device))}"
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"cpu:{model}"
-
-
-def last_level_cache_bytes(device: str = "cpu") -> int:
-    """Size of the device's last-level cache (CPU L3 from sysfs, a GPU's L2); 0 if unknown."""
-    if device.startswith("cuda"):
-        import torch
-
-        return int(getattr(torch.cuda.get_device_properties(torch.device(device)), "L2_cache_size", 0))
-    best = 0
-    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        try:
-            text = f.read_text().strip().upper()
-        except OSError:
-            continue
-        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-        digits = text.rstrip("KMG")
-        if digits.isdigit():
-            best = max(best, int(digits) * scale)
-    return best
-
-
-def probe_stage_layers(num_layers: int, layer_bytes: int, cache_bytes: int, longer: int | None = None) -> tuple[int, int]:
-    """(shorter, longer) middle-stage lengths for the per-layer slope.
-
-    The shorter stage's weights are at least twice the last-level cache, so neither stage runs
-    from cache (a deployed stage does not); the longer one is twice as long (at least three
-    layers more). Both fit between the first and the last layer. ``longer`` overrides.
-    """
-    room = max(2, num_layers - 2)
-    if longer is not None:
-        big = max(2, min(longer, room))
-        return max(1, big // 2), big
-    small = max(1, -(-2 * cache_bytes // max(1, layer_bytes)))
-    big = min(room, max(small + 3, 2 * small))
-    return min(small, big - 1), big
-
-
-def free_memory_bytes(device: str = "cpu") -> int:
-    """Memory an engine could still allocate on ``device``."""
-    if device.startswith("cuda"):
-        import torch
-
-        free, _ = torch.cuda.mem_get_info(torch.device(device))
-        return int(free)
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import os
-
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
-
-
-def step_clock(device: str) -> Callable[[], float]:
-    """The clock a step is timed by: on CPU the measuring thread's CPU time (the engine runs one
-    torch thread, in the caller), so time the OS gives other processes is not counted as the
-    node's work — sharing a host's cores is the simulator's ``host_cores``; on a GPU wall time."""
-    return time.perf_counter if str(device).startswith("cuda") else time.thread_time
 
 
 def _median_ms(samples: list[float]) -> float:
@@ -317,13 +238,13 @@ def measure_device(
     overlap as the nodes' steps do when they serve).
 
     Three engines are timed: two runs of middle layers from layer 1, of the lengths
-    :func:`probe_stage_layers` picks (weights out of cache) — the per-layer cost is the slope
+    :func:`profiler.device.probe_stage_layers` picks (weights out of cache) — the per-layer cost is the slope
     between them, so the engine's fixed per-step cost (scheduling,
     gathering rows) is not multiplied by the layer count — and the last layer alone, which also
     runs the final norm, the LM head and sampling. The per-layer curves are the slopes; the
     fixed per-step cost (the shorter stage minus its layers) becomes ``step_overhead_ms`` and what
     the last stage costs beyond that (final norm, LM head, sampling) ``head_ms``
-    (:func:`with_step_costs`), so a pipeline stage pays its step cost once and only the last
+    (:func:`profiler.step_costs.with_step_costs`), so a pipeline stage pays its step cost once and only the last
     stage pays the head.
     """
     import torch
@@ -373,8 +294,8 @@ def measure_device(
     # run back to back) leaves out the machine's drift, which a difference of two medians keeps
     ctx_ms = max(0.0, mid.context_growth_ms / layers / s.context_batch / (s.long_context_tokens - s.context_tokens))
     weight_bytes = config.layer_weight_bytes(4)
-    pre_layer = _slopes(pre_one, pre_mid, short, layers)
-    dec_layer = _slopes(dec_one, dec_mid, short, layers)
+    pre_layer = layer_slopes(pre_one, pre_mid, short, layers)
+    dec_layer = layer_slopes(dec_one, dec_mid, short, layers)
     pre_fixed = [max(0.0, a - short * b) for a, b in zip(pre_one, pre_layer, strict=True)]
     dec_fixed = [max(0.0, a - short * b) for a, b in zip(dec_one, dec_layer, strict=True)]
     pre_head = [max(0.0, a - b) for a, b in zip(pre_last, pre_layer, strict=True)]
@@ -399,56 +320,3 @@ def measure_device(
     })  # fmt: skip
 
 
-def with_step_costs(measured: dict[str, Any]) -> dict[str, Any]:
-    """Split the fixed per-step costs out of the per-layer curves (helix.profile's contract).
-
-    ``measured`` is :func:`measure_device`'s result (also older cached ones, whose per-layer
-    curves still carry ``head / num_layers`` on every point); from its ``raw`` part:
-
-    * per-layer curves = the pure slopes ``prefill_layer_ms`` / ``decode_layer_ms``;
-    * ``step_overhead_ms`` by batch tokens = the shorter stage minus its layers: the decode
-      points (``b`` requests = ``b`` batch tokens), then the prefill points above the largest
-      decode batch;
-    * ``head_ms`` by batch size = the last stage minus one layer and the fixed cost, from the decode runs
-      (``b`` sequences sampling one token each).
-
-    Without ``raw`` (or already split) it is returned unchanged.
-    """
-    raw = measured.get("raw")
-    if raw is None or "step_overhead_ms" in measured or "decode_fixed_ms" not in raw:
-        return measured
-    pre_x = [p[0] for p in measured["prefill_ms_per_layer"] if p[0] > 0]
-    dec_x = [p[0] for p in measured["decode_ms_per_layer"] if p[0] > 0]
-    out = dict(measured)
-    out["prefill_ms_per_layer"] = [[0.0, 0.0]] + [[x, round(ms, 4)] for x, ms in zip(pre_x, raw["prefill_layer_ms"], strict=True)]
-    out["decode_ms_per_layer"] = [[0.0, 0.0]] + [[x, round(ms, 4)] for x, ms in zip(dec_x, raw["decode_layer_ms"], strict=True)]
-    top = max(dec_x)
-    step = [[x, round(ms, 4)] for x, ms in zip(dec_x, raw["decode_fixed_ms"], strict=True)]
-    step += [[x, round(ms, 4)] for x, ms in zip(pre_x, raw["prefill_fixed_ms"], strict=True) if x > top]
-    out["step_overhead_ms"] = step
-    out["head_ms"] = [[x, round(max(0.0, h - f), 4)]
-                      for x, h, f in zip(dec_x, raw["decode_head_ms"], raw["decode_fixed_ms"], strict=True)]
-    return out
-
-
-def _slopes(short: list[float], long: list[float], short_layers: int, long_layers: int) -> list[float]:
-    """Per-layer ms from the step times of two stages of ``short_layers`` and ``long_layers``
-    layers (the fixed part cancels); at least a quarter of the plain average, so noise cannot
-    make a layer free."""
-    span = long_layers - short_layers
-    return [max((b - a) / span, b / long_layers / 4) for a, b in zip(short, long, strict=True)]
-
-
-def memory_limits(measured: dict[str, Any], free_bytes: float, reserve: KvReserve) -> tuple[LayerLimit, list[float]]:
-    """What limits the layers a node with ``free_bytes`` of memory may hold, and its
-    ``kv_capacity_tokens_by_layers`` up to that limit (KV entries left next to k layers)."""
-    limit = LayerLimit(usable_bytes=free_bytes * MEMORY_UTILIZATION, layer_weight_bytes=measured["layer_weight_bytes"],
-                       kv_bytes_per_token_per_layer=measured["kv_bytes_per_token_per_layer"],
-                       num_layers=measured["num_layers"], reserve=reserve)  # fmt: skip
-    w, kv_b, usable = limit.layer_weight_bytes, limit.kv_bytes_per_token_per_layer, limit.usable_bytes
-    return limit, [float(int((usable - k * w) // kv_b)) for k in range(1, limit.max_layers + 1)]
-
-
-def default_reserve(tokens_per_layer: int = DEFAULT_MIN_KV_TOKENS_PER_LAYER) -> KvReserve:
-    """Measuring's default KV reserve: ``tokens_per_layer`` (the agent's --kv-capacity-tokens) per layer."""
-    return KvReserve(tokens_per_layer=tokens_per_layer, why=f"{tokens_per_layer} tokens per layer, as an agent keeps")

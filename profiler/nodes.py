@@ -7,7 +7,7 @@ Nodes that share a machine (the loopback demo: three agents on two cores) also s
 while they serve, so they can be measured *concurrently* (``helix profile --concurrent``): the
 processes build their probe stages, print ``LOADED`` and wait for a ``go`` line on stdin, sent
 to all once all are loaded, so their timed steps overlap. Steps are timed in thread CPU time
-(:func:`profiler.measure.step_clock`), so the time slicing among them is not counted — that is
+(:func:`profiler.device.step_clock`), so the time slicing among them is not counted — that is
 the simulator's ``host_cores`` — while the contention for caches and memory is. The default
 measures one node at a time. Nodes of one GPU type are combined point by point (median) by
 :func:`combine`.
@@ -27,7 +27,8 @@ from typing import Any
 
 from helix.errors import HelixError
 from helix.processes import Supervisor
-from profiler.measure import MeasureSettings, measure_device, with_step_costs
+from profiler.measure import MeasureSettings, measure_device
+from profiler.step_costs import with_step_costs
 
 PROGRESS = "PROGRESS "
 RESULT = "RESULT "

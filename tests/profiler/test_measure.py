@@ -201,7 +201,7 @@ def test_cached_rerun_does_not_load_torch(demo: Path) -> None:
 def test_probe_stages_stream_their_weights_from_memory() -> None:
     from node_agent.config import load_config
     from node_agent.gguf_convert import cached_model_dir
-    from profiler.measure import probe_stage_layers
+    from profiler.device import probe_stage_layers
 
     layer = load_config(cached_model_dir()).layer_weight_bytes(4)
     assert layer == 14160384  # SmolLM2-135M: 576 hidden, 1536 MLP, 9 heads / 3 KV heads of 64, float32

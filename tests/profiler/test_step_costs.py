@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from profiler.measure import with_step_costs
 from profiler.nodes import combine
+from profiler.step_costs import with_step_costs
 
 
 def _measured(scale: float = 1.0) -> dict:
