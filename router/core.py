@@ -15,6 +15,9 @@ The contract is vLLM V1's engine core::
                                             # out.outputs: RequestOutput per request (started, tokens,
                                             # text, finish or error)
 
+What it reports for metrics, asks about fine-tuned tasks and hands back are its interfaces
+(:mod:`router.core_interfaces`).
+
 The server (:mod:`router.driver`) calls it from the transport's I/O thread as tokens arrive, so
 the next STEP leaves without a hop through the event loop, and from the HTTP loop as requests
 come and go; the simulator (:mod:`simulator.engine`) drives the same object in simulated time.
@@ -32,8 +35,6 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass, field
-from typing import Protocol
 
 from helix import wire
 from helix.domain import ErrorCode, FinishReason, Pipeline, token_finish
@@ -46,64 +47,13 @@ from helix.errors import (
     UnknownTaskError,
 )
 from router.agent_events import AgentDied, AgentEvent, AgentJoined, KVReported, Unreachable
+from router.core_interfaces import CoreObserver, CoreOutput, QuietObserver, TaskGate
 from router.policy import Router, RouteRequest
 from router.request import Finish, Request, RequestOutput, RequestStatus
 
 log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 8  # pipelines one request may be given (failovers) before it fails
-Outgoing = tuple[str, wire.Message]  # (node id, message)
-
-
-class CoreObserver(Protocol):
-    """What the core reports for metrics (``router.metrics.ServingMetrics``; the default does nothing)."""
-
-    def admitted(self, task: str, prompt_tokens: int) -> None: ...
-
-    def rejected(self, reason: str) -> None: ...
-
-    def token(self, request: Request, edges: tuple[tuple[str, str], ...], moved: int, now: float) -> None: ...
-
-    def rerouted(self) -> None: ...
-
-    def finished(self, request: Request, now: float) -> None: ...
-
-
-class QuietObserver:
-    """No metrics."""
-
-    def admitted(self, task: str, prompt_tokens: int) -> None:
-        pass
-
-    def rejected(self, reason: str) -> None:
-        pass
-
-    def token(self, request: Request, edges: tuple[tuple[str, str], ...], moved: int, now: float) -> None:
-        pass
-
-    def rerouted(self) -> None:
-        pass
-
-    def finished(self, request: Request, now: float) -> None:
-        pass
-
-
-class TaskGate(Protocol):
-    """Which fine-tuned tasks may be requested, and how many requests each has in flight (``router.tasks``)."""
-
-    def servable(self, name: str) -> object | None: ...
-
-    def started(self, name: str) -> None: ...
-
-    def finished(self, name: str) -> None: ...
-
-
-@dataclass(slots=True)
-class CoreOutput:
-    """What one :meth:`CoordinatorCore.schedule` hands to the caller."""
-
-    messages: list[Outgoing] = field(default_factory=list)
-    outputs: list[RequestOutput] = field(default_factory=list)
 
 
 class CoordinatorCore:

@@ -190,7 +190,8 @@ class ServingMetrics:
 
 
 class MetricsObserver:
-    """What the coordinator core reports (:class:`router.core.CoreObserver`), counted in ``metrics``."""
+    """What the coordinator core reports (:class:`router.core_interfaces.CoreObserver`), counted in
+    ``metrics``."""
 
     __slots__ = ("metrics",)
 

@@ -15,7 +15,8 @@ from helix import wire
 from helix.domain import ErrorCode, FinishReason
 from helix.errors import CapacityError, NoRouteError, OverloadedError, RequestError
 from router.agent_events import AgentDied, AgentJoined, Unreachable
-from router.core import CoordinatorCore, CoreOutput
+from router.core import CoordinatorCore
+from router.core_interfaces import CoreOutput
 from router.request import RequestStatus
 from router.tokenizer import ChatTokenizer, IncrementalDetokenizer, ensure_tokenizer_dir
 from tests.factories import DEMO_PLACEMENT, demo_router, joined_core, request, tokens, welcome
