@@ -8,7 +8,7 @@ no proof can be replayed (fresh nonces) or reflected (the role is inside the MAC
 :func:`helix.wire.prove`).
 
 :class:`CoordinatorHandshake` (one per agent connection, used by :mod:`router.agents_io`) and
-:class:`AgentHandshake` (one per coordinator connection, used by :mod:`node_agent.agent`) take each
+:class:`AgentHandshake` (one per coordinator connection, used by :mod:`node_agent.control`) take each
 handshake message with ``on_message(msg)`` and return an :class:`Outcome`: the replies to send,
 whether the peer is trusted now, or why it is not. Their callers own the sockets, the logs and the
 timing (when to send HELLO again).

@@ -34,6 +34,11 @@ holds (:func:`node_agent.task_files.load_task_slice`), binds them between two st
 TASK_STATUS to the coordinator that asked (an error names the file and the tensor; the tasks
 already bound are untouched). UNLOAD_TASK unbinds a task; requests running it keep it until they
 finish. A request's task travels in ADMIT and in its first ACTIVATIONS' admission.
+
+This module is the shell: the sockets, the two threads and the hand-over between them. The request
+routes (admission, STEP, CANCEL, refusals, sending a step's results on) are
+:class:`node_agent.routes.RouteTable`'s; the coordinators' handshakes and heartbeats and the answers
+to LOAD_TASK / UNLOAD_TASK are :mod:`node_agent.control`'s.
 """
 
 from __future__ import annotations
@@ -42,46 +47,23 @@ import logging
 import signal
 import threading
 import time
-from collections import OrderedDict, deque
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
 
 import zmq
 
 from helix import wire
-from helix.domain import ErrorCode, FinishReason
-from helix.errors import CapacityError, HelixError, PETError, ProtocolError
-from helix.handshake import AgentHandshake
+from helix.errors import HelixError, ProtocolError
 from helix.keys import CONTROL, DATA, KeyGuard, KeyPair, PeerPolicy
 from helix.zmq_io import CurveSockets, Frames, IOLoop
+from node_agent.control import Coordinators, task_status
+from node_agent.routes import AgentStats, RouteTable, StageEngineLike
 from node_agent.step_log import StepLog
 from node_agent.step_meter import StepMeter
-from node_agent.transport import PushPool, configure, frame_tensor, sampling_params, tensor_frame
+from node_agent.transport import PushPool, configure
 
 log = logging.getLogger(__name__)
-
-TOMBSTONES = 65_536  # cancelled request ids remembered (late activations for them are dropped)
-MAX_HANDSHAKES = 1024
-
-
-class StageEngineLike(Protocol):
-    """What the agent needs from a stage engine (``node_agent.engine.StageEngine`` is one)."""
-
-    layer_start: int
-    layer_end: int
-    config: Any  # node_agent.config.ModelConfig
-
-    def add_request(self, request_id: str, sampling: Any, *, prompt_token_ids: list[int] | None = None,
-                    prompt_len: int | None = None, layer_range: tuple[int, int] | None = None,
-                    task: str | None = None) -> None: ...
-    def add_task(self, task_id: str, pet: Any, *, max_lora_rank: int | None = None) -> Any: ...
-    def remove_task(self, task_id: str) -> None: ...
-    def push_hidden(self, request_id: str, hidden: Any) -> None: ...
-    def push_token(self, request_id: str, token_id: int) -> None: ...
-    def cancel(self, request_id: str) -> None: ...
-    def has_request(self, request_id: str) -> bool: ...
-    def step(self) -> Any: ...
-    def kv_usage(self) -> Any: ...
 
 
 @dataclass(slots=True)
@@ -101,35 +83,6 @@ class AgentConfig:
     peers: PeerPolicy | None = None  # the cluster's keys and hosts (helix.keys); None: no checks, no CURVE
     key_pair: KeyPair | None = None  # this node's CURVE keys (needed when ``peers`` has keys)
     predecessors: frozenset[str] = frozenset()  # nodes whose activations the data socket lets in (with CURVE)
-
-
-@dataclass(slots=True)
-class _Route:
-    """The agent's view of one request: where it sits in its pipeline and where results go."""
-
-    pipeline: tuple[wire.StageRef, ...]
-    hop: int
-    sampling: wire.SamplingSpec
-    max_tokens: int
-    prompt_tokens: int
-    reply_to: str
-    task: str = ""  # "" = the base model
-    step: int = 0
-    sent_tokens: int = 0  # positions already forwarded to the next stage
-    forwarded: bool = False  # the next stage has its admission already
-
-    @property
-    def is_last(self) -> bool:
-        return self.hop == len(self.pipeline) - 1
-
-
-@dataclass(slots=True)
-class _Stats:
-    rejected: int = 0
-    refused: int = 0
-    steps: int = 0
-    tokens: int = 0
-    errors: list[str] = field(default_factory=list)
 
 
 class NodeAgent:
@@ -153,13 +106,10 @@ class NodeAgent:
         self.control_address: str = self.control.getsockopt_string(zmq.LAST_ENDPOINT)
         self.data_address: str = self.data.getsockopt_string(zmq.LAST_ENDPOINT)
         self.peers = PushPool(self.ctx, self.curve)
-        self._routes: dict[str, _Route] = {}
-        self._tombstones: OrderedDict[str, None] = OrderedDict()
-        self._handshakes: OrderedDict[bytes, AgentHandshake] = OrderedDict()  # identity -> its handshake so far
-        self._coordinators: dict[bytes, str] = {}  # authenticated identity -> coordinator name
+        self._coordinators = Coordinators(self.control, config.secret, config.node_id, self._welcome)  # I/O thread
         self._stopping = False
-        self._hb_seq = 0
-        self.stats = _Stats()
+        self.stats = AgentStats()
+        self._routes = RouteTable(config.node_id, engine, config.peers, config.wire_dtype, self._out, self.stats)
         # I/O thread -> engine thread: decoded messages (with the control identity, if any)
         # (handed over in batches: all messages of one drain join the same engine step)
         self._inbox: deque[list[tuple[bytes | None, wire.Message]]] = deque()
@@ -220,10 +170,6 @@ class NodeAgent:
             engine_thread.join(timeout=10)
             self.close()
 
-    def _to_coordinators(self, identity: bytes | None, msg: wire.Message) -> None:  # I/O thread
-        for to in list(self._coordinators) if identity is None else [identity]:
-            self._send_control(to, msg)
-
     def _to_engine(self, identity: bytes | None, msg: wire.Message) -> None:  # I/O thread
         self._arrivals.append((identity, msg))
 
@@ -244,7 +190,7 @@ class NodeAgent:
                 # the next stage is gone: cancel here, applied at the top of the next loop turn
                 self._inbox.append([(None, wire.Cancel(msg.request_id, f"unreachable:{address}"))])
             return
-        self.loop.call(lambda: self._to_coordinators(identity, msg))
+        self.loop.call(lambda: self._coordinators.send_to(identity, msg))
 
     def _engine_loop(self) -> None:
         """Iteration-level loop: apply arrivals, run one step, queue what it produced."""
@@ -284,15 +230,15 @@ class NodeAgent:
 
     def _apply(self, msg: wire.Message, identity: bytes | None = None) -> None:  # engine thread
         if isinstance(msg, wire.LoadTask | wire.UnloadTask):
-            self._out("", self._on_task(msg), identity)
+            self._out("", task_status(self.config.node_id, self.engine, msg), identity)
         elif isinstance(msg, wire.Admit):
-            self._on_admit(msg)
+            self._routes.on_admit(msg)
         elif isinstance(msg, wire.Step):
-            self._on_step(msg)
+            self._routes.on_step(msg)
         elif isinstance(msg, wire.Cancel):
-            self._on_cancel(msg)
+            self._routes.on_cancel(msg)
         elif isinstance(msg, wire.Activations):
-            self._on_activations(msg)
+            self._routes.on_activations(msg)
 
     # -- control plane --------------------------------------------------------------------------
 
@@ -301,7 +247,7 @@ class NodeAgent:
         try:
             msg = wire.decode(body, max_frame_bytes=self.config.max_frame_bytes)
             if isinstance(msg, wire.Hello | wire.Auth):
-                self._handshake(identity, msg)
+                self._coordinators.handshake(identity, msg)
             elif identity not in self._coordinators:
                 raise ProtocolError(f"{wire.KINDS[type(msg)]} before the handshake: send HELLO first")
             elif isinstance(msg, wire.Admit | wire.Step | wire.Cancel | wire.LoadTask | wire.UnloadTask):
@@ -311,105 +257,9 @@ class NodeAgent:
         except ProtocolError as exc:
             self._reject("control", exc, identity)
 
-    def _handshake(self, identity: bytes, msg: wire.Hello | wire.Auth) -> None:
-        # an AUTH ends the handshake, either way; a HELLO starts one (a repeated HELLO continues it)
-        handshake = self._handshakes.pop(identity, None) or AgentHandshake(self.config.secret, self.config.node_id,
-                                                                           self._welcome)  # fmt: skip
-        if isinstance(msg, wire.Hello):
-            self._coordinators.pop(identity, None)
-            self._handshakes[identity] = handshake  # the latest MAX_HANDSHAKES pending ones are kept
-            while len(self._handshakes) > MAX_HANDSHAKES:
-                self._handshakes.popitem(last=False)
-        outcome = handshake.on_message(msg)
-        for reply in outcome.replies:
-            self._send_control(identity, reply)
-        if outcome.error is not None:
-            log.warning("rejected coordinator %r: %s", handshake.peer, outcome.error)
-        elif outcome.trusted:
-            self._coordinators[identity] = handshake.peer
-            log.info("coordinator %s authenticated", handshake.peer)
-
     def _welcome(self) -> wire.Welcome:
         return wire.Welcome(self.config.node_id, self.engine.layer_start, self.engine.layer_end,
                             self._kv.capacity_tokens, self.data_address)  # fmt: skip
-
-    def _send_control(self, identity: bytes, msg: wire.Message) -> bool:
-        try:
-            self.control.send_multipart([identity, *wire.encode(msg)], flags=zmq.NOBLOCK, copy=False)
-            return True
-        except (zmq.Again, zmq.ZMQError):  # peer gone (ROUTER_MANDATORY) or full
-            self._coordinators.pop(identity, None)
-            return False
-
-    def _on_admit(self, msg: wire.Admit) -> None:
-        me = msg.pipeline[0].stage
-        if me.node != self.config.node_id:
-            raise ProtocolError(f"ADMIT for {msg.request_id!r} names {me.node!r} as first stage, not this node")
-        self._check_route(msg.request_id, msg.pipeline, 0, msg.reply_to)
-        route = _Route(msg.pipeline, 0, msg.sampling, msg.max_tokens, len(msg.prompt), msg.reply_to, msg.task)
-        self._tombstones.pop(msg.request_id, None)
-        self._add(msg.request_id, route, prompt=list(msg.prompt))
-
-    def _on_step(self, msg: wire.Step) -> None:
-        route = self._routes.get(msg.request_id)
-        if route is None or not self.engine.has_request(msg.request_id):
-            log.debug("STEP for unknown request %s (finished or cancelled): dropped", msg.request_id)
-            return
-        if route.is_last:  # a one-stage pipeline: the engine holds the whole model for it
-            if not route.sampling.paced:
-                return  # and loops its tokens back itself
-        else:
-            route.step = msg.step
-        self.engine.push_token(msg.request_id, msg.token_id)
-
-    def _on_cancel(self, msg: wire.Cancel) -> None:
-        route = self._routes.get(msg.request_id)
-        if msg.reason.startswith("unreachable:") and route is not None:
-            reason = f"next stage at {msg.reason[12:]} is not reachable"
-            self._refuse(msg.request_id, route, ErrorCode.UNREACHABLE, reason)
-        else:
-            self._forget(msg.request_id)
-
-    def _check_route(self, rid: str, pipeline: tuple[wire.StageRef, ...], hop: int, reply_to: str) -> None:
-        """ProtocolError unless every address this node would send the request's results to (the later
-        stages', ``reply_to``) is where the cluster file puts that vertex (no-op without a cluster policy)."""
-        policy = self.config.peers
-        if policy is None:
-            return
-        for ref in pipeline[hop + 1:]:
-            policy.check_address(ref.stage.node, ref.address, f"request {rid!r}: stage address")
-        policy.check_address(policy.coordinator, reply_to, f"request {rid!r}: reply_to")
-
-    def _forget(self, request_id: str) -> None:
-        self.engine.cancel(request_id)
-        self._routes.pop(request_id, None)
-        self._tombstones[request_id] = None
-        while len(self._tombstones) > TOMBSTONES:
-            self._tombstones.popitem(last=False)
-
-    # -- fine-tuned tasks -------------------------------------------------------------------------
-
-    def _on_task(self, msg: wire.LoadTask | wire.UnloadTask) -> wire.TaskStatus:  # engine thread
-        node = self.config.node_id
-        if isinstance(msg, wire.UnloadTask):
-            self.engine.remove_task(msg.task_id)
-            log.info("task %s unloaded", msg.task_id)
-            return wire.TaskStatus(node, msg.task_id, "unload", True)
-        from node_agent.task_files import in_file, load_task_slice
-
-        try:
-            descriptor, pet = load_task_slice(msg.path, self.engine.config, self.engine.layer_start,
-                                              self.engine.layer_end)  # fmt: skip
-            with in_file(str(descriptor.weights)):
-                bound = self.engine.add_task(msg.task_id, pet, max_lora_rank=msg.max_lora_rank or None)
-        except PETError as exc:
-            log.warning("task %s not loaded: %s", msg.task_id, exc.message)
-            return wire.TaskStatus(node, msg.task_id, "load", False, exc.message)
-        except HelixError as exc:  # e.g. a backend that runs no tasks
-            return wire.TaskStatus(node, msg.task_id, "load", False, exc.message)
-        log.info("task %s loaded (%s, %d bytes for layers [%d, %d))", msg.task_id, pet.pet_type, bound.nbytes,
-                 self.engine.layer_start, self.engine.layer_end)  # fmt: skip
-        return wire.TaskStatus(node, msg.task_id, "load", True, nbytes=int(bound.nbytes))
 
     # -- data plane -----------------------------------------------------------------------------
 
@@ -422,54 +272,7 @@ class NodeAgent:
         except ProtocolError as exc:
             self._reject("data", exc)
 
-    def _on_activations(self, msg: wire.Activations) -> None:
-        rid = msg.request_id
-        if rid in self._tombstones:
-            return
-        if rid not in self._routes:
-            if msg.admit is None:
-                log.debug("ACTIVATIONS for unknown request %s without admission: dropped", rid)
-                return
-            a = msg.admit
-            if a.hop == 0 or a.pipeline[a.hop].stage.node != self.config.node_id:
-                raise ProtocolError(f"ACTIVATIONS for {rid!r}: hop {a.hop} of its pipeline is not this node")
-            self._check_route(rid, a.pipeline, a.hop, a.reply_to)
-            route = _Route(a.pipeline, a.hop, a.sampling, a.max_tokens, a.prompt_tokens, a.reply_to, a.task)
-            if not self._add(rid, route, prompt=None):
-                return
-        try:
-            self.engine.push_hidden(rid, frame_tensor(msg))
-        except HelixError as exc:
-            self._refuse(rid, self._routes[rid], ErrorCode.BAD_REQUEST, str(exc))
-
-    # -- admission and results ------------------------------------------------------------------
-
-    def _add(self, rid: str, route: _Route, prompt: list[int] | None) -> bool:
-        if rid in self._routes:
-            raise ProtocolError(f"request {rid!r} is already admitted on this node")
-        me = route.pipeline[route.hop].stage
-        try:
-            self.engine.add_request(rid, sampling_params(route.sampling, route.max_tokens),
-                                    prompt_token_ids=prompt, prompt_len=route.prompt_tokens,
-                                    layer_range=(me.layer_start, me.layer_end), task=route.task or None)
-        except CapacityError as exc:
-            self._refuse(rid, route, ErrorCode.CAPACITY, exc.message)
-            return False
-        except HelixError as exc:
-            self._refuse(rid, route, ErrorCode.BAD_REQUEST, exc.message)
-            return False
-        self._routes[rid] = route
-        return True
-
-    def _refuse(self, rid: str, route: _Route, code: ErrorCode, reason: str) -> None:
-        log.warning("refused request %s (%s): %s", rid, code, reason)
-        self.stats.refused += 1
-        self._forget(rid)
-        self._reply(route.reply_to, wire.Refused(rid, self.config.node_id, code, reason))
-
-    def _reply(self, reply_to: str, msg: wire.Message) -> None:  # engine thread
-        coordinator = self.config.peers.coordinator if self.config.peers is not None else ""
-        self._out(reply_to, msg, vertex=coordinator)
+    # -- engine steps, heartbeats, rejections --------------------------------------------------
 
     def _step(self, step_log: StepLog | None = None) -> bool:
         t0 = time.monotonic()
@@ -478,50 +281,15 @@ class NodeAgent:
             return False
         self._meter.record(time.monotonic() - t0, len(result.outputs), result.num_tokens)
         self.stats.steps += 1
-        tokens: dict[str, list[wire.TokenOut]] = {}
-        for out in result.outputs:
-            route = self._routes.get(out.request_id)
-            if route is None:
-                continue
-            if out.hidden is not None:
-                self._forward(out.request_id, route, out.hidden)
-            elif out.token is not None:
-                route.step += 1
-                reason = None if out.finish_reason is None else FinishReason(out.finish_reason)
-                out_token = wire.TokenOut(out.request_id, route.step - 1, out.token, reason)
-                tokens.setdefault(route.reply_to, []).append(out_token)
-                if reason is not None:
-                    self._routes.pop(out.request_id, None)
-        for reply_to, outs in tokens.items():
-            self.stats.tokens += len(outs)
-            self._reply(reply_to, wire.Tokens(self.config.node_id, tuple(outs)))
+        self._routes.deliver(result.outputs)
         return True
 
-    def _forward(self, rid: str, route: _Route, hidden: Any) -> None:
-        nxt = route.pipeline[route.hop + 1]
-        shape, data = tensor_frame(hidden, self.config.wire_dtype)
-        admit = None
-        if not route.forwarded:
-            admit = wire.AdmitInfo(route.hop + 1, route.prompt_tokens, route.max_tokens, route.sampling,
-                                   route.pipeline, route.reply_to, route.task)
-        position, route.sent_tokens = route.sent_tokens, route.sent_tokens + shape[0]
-        self._out(nxt.address, wire.Activations(rid, route.step, position, self.config.wire_dtype, shape, data, admit),
-                  vertex=nxt.stage.node)
-        route.forwarded = True
-
-    def _heartbeat(self) -> None:
-        if not self._coordinators:
-            return
-        usage, (waiting, running) = self._kv, self._queues  # snapshots from the engine thread
-        self._hb_seq += 1
-        hb = wire.Heartbeat(self.config.node_id, self._hb_seq, usage.used_tokens, usage.reserved_tokens,
-                            usage.capacity_tokens, waiting, running, self._meter.stats)
-        for identity in list(self._coordinators):
-            self._send_control(identity, hb)
+    def _heartbeat(self) -> None:  # I/O thread
+        self._coordinators.heartbeat(self._kv, self._queues, self._meter.stats)  # snapshots from the engine thread
 
     def _reject(self, plane: str, exc: ProtocolError, identity: bytes | None = None) -> None:
         self.stats.rejected += 1
         self.stats.errors = [*self.stats.errors[-15:], exc.message]
         log.warning("rejected a %s-plane message: %s", plane, exc.message)
         if identity is not None:
-            self._send_control(identity, wire.Error("protocol", exc.message))
+            self._coordinators.send(identity, wire.Error("protocol", exc.message))
