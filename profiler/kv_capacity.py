@@ -14,7 +14,7 @@ from typing import Any
 
 from profiler.kv_reserve import KvReserve, LayerLimit
 
-MEMORY_UTILIZATION = 0.9
+MEMORY_UTILIZATION = 0.9  # the share of a device's memory a node uses (vLLM's default gpu_memory_utilization)
 DEFAULT_MIN_KV_TOKENS_PER_LAYER = 65536
 
 

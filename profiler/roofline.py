@@ -42,12 +42,12 @@ from helix.profile import (
     ThroughputProfile,
 )
 from profiler.gpus import GpuSpec, ModelShape
+from profiler.kv_capacity import MEMORY_UTILIZATION
 from profiler.kv_reserve import KvReserve, LayerLimit
 
 COMPUTE_EFF = 0.6  # share of peak tensor FLOP/s a large GEMM reaches
 MEMORY_EFF = 0.8  # share of peak bandwidth a streaming read reaches
 LAYER_OVERHEAD_MS = 0.02  # kernel launches per layer per step
-MEMORY_UTILIZATION = 0.9  # vLLM's default gpu_memory_utilization
 RESERVE_BYTES = 1.6e9  # CUDA context + activation workspace
 
 PREFILL_BATCH_TOKENS = (128, 256, 512, 1024, 2048, 3072, 4096, 6144, 8192)

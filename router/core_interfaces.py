@@ -21,7 +21,7 @@ Outgoing = tuple[str, wire.Message]  # (node id, message)
 
 
 class CoreObserver(Protocol):
-    """What the core reports for metrics (``router.metrics.ServingMetrics``; the default does nothing)."""
+    """What the core reports for metrics (``router.metrics.MetricsObserver``; the default does nothing)."""
 
     def admitted(self, task: str, prompt_tokens: int) -> None: ...
 
