@@ -156,6 +156,7 @@ class LoadResult:
     errors: list[str] = field(default_factory=list)
     tokens: int = 0
     ttft_s: list[float] = field(default_factory=list)
+    tpot_s: list[float] = field(default_factory=list)  # per request: mean time between its streamed chunks
     wall_s: float = 0.0
 
     @property
@@ -163,10 +164,17 @@ class LoadResult:
         return self.tokens / self.wall_s if self.wall_s else 0.0
 
     def ttft_ms(self, q: float) -> float:
-        if not self.ttft_s:
-            return float("nan")
-        xs = sorted(self.ttft_s)
-        return 1000 * xs[min(len(xs) - 1, int(q * len(xs)))]
+        return _quantile_ms(self.ttft_s, q)
+
+    def tpot_ms(self, q: float) -> float:
+        return _quantile_ms(self.tpot_s, q)
+
+
+def _quantile_ms(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    xs = sorted(values)
+    return 1000 * xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 async def run_load(base: str, concurrency: int, total: int, max_tokens: int, *, chat: bool) -> LoadResult:
@@ -184,7 +192,7 @@ async def run_load(base: str, concurrency: int, total: int, max_tokens: int, *, 
         else:
             body["prompt"] = prompt
         t0 = time.monotonic()
-        first, done, tokens = None, False, 0
+        first, last, chunks, done, tokens = None, 0.0, 0, False, 0
         async with client.stream("POST", f"/v1/{'chat/' if chat else ''}completions", json=body) as resp:
             if resp.status_code != 200:
                 result.errors.append(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
@@ -201,8 +209,10 @@ async def run_load(base: str, concurrency: int, total: int, max_tokens: int, *, 
                     return
                 choice = (obj.get("choices") or [{}])[0]
                 text = choice.get("delta", {}).get("content") if chat else choice.get("text")
-                if text and first is None:
-                    first = time.monotonic() - t0
+                if text:
+                    last, chunks = time.monotonic() - t0, chunks + 1
+                    if first is None:
+                        first = last
                 if obj.get("usage"):
                     tokens = obj["usage"]["completion_tokens"]
         if not done:
@@ -212,6 +222,8 @@ async def run_load(base: str, concurrency: int, total: int, max_tokens: int, *, 
         result.tokens += tokens
         if first is not None:
             result.ttft_s.append(first)
+        if first is not None and chunks > 1:
+            result.tpot_s.append((last - first) / (chunks - 1))
 
     async def client_loop(client: httpx.AsyncClient) -> None:
         while queue:
@@ -269,6 +281,7 @@ def part_a(concurrency: int, total: int, max_tokens: int, rounds: int) -> None:
             log.record(r, "ceiling on one core, tokens/s", res.tokens / max(cpu, 1e-9), "tok/s")
             log.record(r, "TTFT p50", res.ttft_ms(0.5), "ms")
             log.record(r, "TTFT p99", res.ttft_ms(0.99), "ms")
+            log.record(r, "time between tokens p50", res.tpot_ms(0.5), "ms")
     finally:
         serve.terminate()
         serve.wait(timeout=20)
@@ -372,6 +385,7 @@ def part_b(levels: list[int], max_tokens: int, rounds: int) -> None:
                         log.record(r, f"{arm} tok/s @{level}", res.tok_s, "tok/s")
                         log.record(r, f"{arm} TTFT p50 @{level}", res.ttft_ms(0.5), "ms")
                         log.record(r, f"{arm} TTFT p99 @{level}", res.ttft_ms(0.99), "ms")
+                        log.record(r, f"{arm} time between tokens p50 @{level}", res.tpot_ms(0.5), "ms")
                 for level in levels:
                     log.ratio(f"cluster ÷ engine tok/s @{level}", f"cluster tok/s @{level}", f"engine tok/s @{level}")
         finally:
