@@ -393,7 +393,8 @@ def part_b(levels: list[int], max_tokens: int, rounds: int) -> None:
             serve.wait(timeout=20)
     names = [f"{what} @{level}" for level in levels for what in (
         "cluster tok/s", "cluster TTFT p50", "cluster TTFT p99", "cluster errors",
-        "engine tok/s", "engine TTFT p50", "engine TTFT p99", "cluster ÷ engine tok/s")]
+        "engine tok/s", "engine TTFT p50", "engine TTFT p99", "cluster time between tokens p50",
+        "engine time between tokens p50", "cluster ÷ engine tok/s")]
     CONSOLE.print(figures_table(log, f"(b) demo cluster vs one engine process, {max_tokens} max tokens, "
                                      f"@N = N concurrent chat clients, {rounds} round(s) (no target: reported)", names=names))
     CONSOLE.print(f"[dim]{log.timing_line()}[/]")
