@@ -125,8 +125,12 @@ class ErrorCode(StrEnum):
     BAD_REQUEST = "bad_request"  # a stage rejected the request's contents
     AGENT_DEAD = "agent_dead"  # a stage's heartbeats stopped
     UNREACHABLE = "unreachable"  # a stage did not take the message
+    LEAVING = "leaving"  # the stage drains before it stops (SIGTERM): it takes no new request, and
+    # refuses those still running when its drain time is up
+    LAYERS_MOVED = "layers_moved"  # the stage does not hold (or is releasing) the layers the request
+    # needs there: the plan changed under it
 
     @property
     def retryable(self) -> bool:
         """Whether another pipeline may succeed where this one failed (failover)."""
-        return self in (ErrorCode.AGENT_DEAD, ErrorCode.UNREACHABLE)
+        return self in (ErrorCode.AGENT_DEAD, ErrorCode.UNREACHABLE, ErrorCode.LEAVING, ErrorCode.LAYERS_MOVED)

@@ -9,8 +9,9 @@ the agent converts to and from torch.
 
 Planes (as in Orca): the *control plane* (coordinator <-> agent, authenticated on connect)
 carries HELLO/CHALLENGE/AUTH/WELCOME, ADMIT, STEP, CANCEL, HEARTBEAT, REFUSED and ERROR, and
-LOAD_TASK / UNLOAD_TASK answered by TASK_STATUS (fine-tuned tasks, docs/pets.md); the
-*data plane* carries ACTIVATIONS node to node and TOKENS from a pipeline's last stage to the
+LOAD_TASK / UNLOAD_TASK answered by TASK_STATUS (fine-tuned tasks, docs/pets.md), and live
+membership: SET_LAYERS / RELEASE_LAYERS answered by LAYERS, LEAVING from a draining agent
+(docs/node_agent.md); the *data plane* carries ACTIVATIONS node to node and TOKENS from a pipeline's last stage to the
 coordinator.
 
 Life of a request: the coordinator sends ADMIT (prompt ids, sampling, max tokens, pipeline) to
@@ -42,11 +43,35 @@ from msgspec import inspect as mi
 
 from helix.errors import ProtocolError
 from helix.wire_messages import (
+    KINDS,
+    PROTOCOL_VERSION,
+    Activations,
+    ActivationsHeader,
+    Admit,
+    Auth,
+    Cancel,
+    Challenge,
+    Error,
+    Heartbeat,
+    Hello,
+    Layers,
+    Leaving,
+    LoadTask,
+    Message,
+    Refused,
+    ReleaseLayers,
+    SetLayers,
+    Step,
+    TaskStatus,
+    Tokens,
+    UnloadTask,
+    Welcome,
+)
+from helix.wire_records import (
     BATCH_SEQUENCES_BUCKETS,
     BATCH_TOKENS_BUCKETS,
     DEFAULT_MAX_FRAME_BYTES,
     DTYPE_BYTES,
-    KINDS,
     MAX_GRAMMAR_CHARS,
     MAX_ID_CHARS,
     MAX_LIST,
@@ -54,36 +79,19 @@ from helix.wire_messages import (
     MAX_PENALTY,
     MAX_TOKEN_ID,
     NONCE_BYTES,
-    PROTOCOL_VERSION,
     STEP_SECONDS_BUCKETS,
     STEP_STATS_BOUNDS,
-    Activations,
-    ActivationsHeader,
-    Admit,
     AdmitInfo,
-    Auth,
     Buffer,
-    Cancel,
-    Challenge,
     Distribution,
-    Error,
-    Heartbeat,
-    Hello,
-    LoadTask,
-    Message,
-    Refused,
+    LayerSpan,
     SamplingSpec,
     StageRef,
-    Step,
     StepStats,
-    TaskStatus,
     TokenOut,
-    Tokens,
-    UnloadTask,
-    Welcome,
 )
 
-__all__ = [  # the protocol: messages and limits (helix.wire_messages), codec, handshake
+__all__ = [  # the protocol: messages (helix.wire_messages), records and limits (helix.wire_records), codec, handshake
     "Activations",
     "Admit",
     "AdmitInfo",
@@ -100,6 +108,9 @@ __all__ = [  # the protocol: messages and limits (helix.wire_messages), codec, h
     "Heartbeat",
     "Hello",
     "KINDS",
+    "LayerSpan",
+    "Layers",
+    "Leaving",
     "LoadTask",
     "MAX_GRAMMAR_CHARS",
     "MAX_ID_CHARS",
@@ -111,9 +122,11 @@ __all__ = [  # the protocol: messages and limits (helix.wire_messages), codec, h
     "NONCE_BYTES",
     "PROTOCOL_VERSION",
     "Refused",
+    "ReleaseLayers",
     "STEP_SECONDS_BUCKETS",
     "STEP_STATS_BOUNDS",
     "SamplingSpec",
+    "SetLayers",
     "StageRef",
     "Step",
     "StepStats",

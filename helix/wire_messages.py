@@ -1,17 +1,19 @@
-"""The wire protocol's messages and limits, each message declared once: the msgspec Structs below
-drive both :func:`helix.wire.encode` and :func:`helix.wire.decode`.
+"""The wire protocol's messages, each declared once: the msgspec Structs below drive both
+:func:`helix.wire.encode` and :func:`helix.wire.decode`.
 
 A field's type says what the wire accepts (``Annotated`` constraints: lengths and ranges, checked
-when decoding); a rule across fields (a pipeline's layers follow each other, a tensor's bytes match
+when decoding; the field types, limits and the records inside messages are :mod:`helix.wire_records`);
+a rule across fields (a pipeline's layers follow each other, a tensor's bytes match
 its dtype and shape) is the message's ``__post_init__``, which runs on construction and on decoding
 alike. A ``__post_init__`` names what it rejects by starting its ``ValueError`` with the field's
 path below the struct (``".pipeline[1]: ..."``), so the decoder's error can name kind and field.
 
 Messages are maps tagged with their kind (``k``); the records that repeat inside them (a pipeline's
-stages, a step's tokens, a histogram) travel as arrays. A stage on the wire is a
+stages, a step's tokens, a histogram, held layer spans) travel as arrays. A stage on the wire is a
 :class:`helix.domain.Stage` plus its data-plane address; finish reasons and refusal codes are
 :class:`helix.domain.FinishReason` and :class:`helix.domain.ErrorCode`, whose values are the strings
-on the wire. Pure data: no I/O. See :mod:`helix.wire` for the framing and the life of a request.
+on the wire. Pure data: no I/O. See :mod:`helix.wire` for the framing and the life of a request,
+and docs/node_agent.md for live membership (SET_LAYERS, RELEASE_LAYERS, LAYERS, LEAVING).
 """
 
 from __future__ import annotations
@@ -22,197 +24,41 @@ from typing import Annotated, Any, get_args
 import msgspec
 from msgspec import Meta, field
 
-from helix.domain import ErrorCode, FinishReason, Stage
+from helix.domain import ErrorCode
 from helix.errors import ProtocolError
+from helix.wire_records import (
+    DTYPE_BYTES,
+    MAX_LAYER,
+    MAX_LIST,
+    MAX_TOKENS_PER_MESSAGE,
+    AdmitInfo,
+    Buffer,
+    Count,
+    LayerSpans,
+    Name,
+    Nonce,
+    Positive,
+    Proof,
+    SamplingSpec,
+    StageRefs,
+    StepStats,
+    TaskId,
+    TaskName,
+    Text,
+    TokenId,
+    TokenOut,
+    _Message,
+    check_pipeline,
+    check_spans,
+)
 
 # 2: SamplingSpec carries penalties, logit_bias and prior_output_ids; 3: HEARTBEAT.steps; 4: SamplingSpec.grammar;
 # 5: ADMIT.task / ACTIVATIONS.admit.task, LOAD_TASK / UNLOAD_TASK / TASK_STATUS; 6: msgspec Structs - the header
 # is [version, message], a stage is [{node, layer_start, layer_end}, address], a token [id, step, token, reason|nil],
-# and SamplingSpec.paced (defaulted; added in the same redesign, issue 14, so 6 stays)
-PROTOCOL_VERSION = 6
-DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
-NONCE_BYTES = 32
-PROOF_BYTES = 32  # HMAC-SHA256
-DTYPE_BYTES: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4}
-MAX_TOKEN_ID = 2**31 - 1
-MAX_ID_CHARS = 256  # node ids in a pipeline, task names
-MAX_TEXT_CHARS = MAX_ID_CHARS * 16  # request ids, addresses, reasons
-MAX_LIST = 1 << 20
-MAX_LAYER = 1 << 20
-MAX_STAGES = 4096
-MAX_TOKENS_PER_MESSAGE = 65536
-MAX_COUNT = 2**62
-MAX_PENALTY = 2.0  # presence/frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range)
-MAX_LOGIT_BIAS = 100.0  # a logit bias lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS]
-MAX_GRAMMAR_CHARS = 1 << 24  # the longest SamplingSpec.grammar: more than a schema in any request body compiles to
-
-Buffer = bytes | bytearray | memoryview
-
-# upper bounds of the buckets an agent counts its engine steps in (HEARTBEAT.steps); values above
-# the last bound fall in one more bucket
-STEP_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-BATCH_SEQUENCES_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-BATCH_TOKENS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
-STEP_STATS_BOUNDS: dict[str, tuple[float, ...]] = {
-    "seconds": STEP_SECONDS_BUCKETS, "sequences": BATCH_SEQUENCES_BUCKETS, "tokens": BATCH_TOKENS_BUCKETS,
-}  # fmt: skip
-
-# -- what a field accepts --------------------------------------------------------------------
-
-Name = Annotated[str, Meta(min_length=1, max_length=MAX_TEXT_CHARS)]  # ids and addresses: never empty
-Text = Annotated[str, Meta(max_length=MAX_TEXT_CHARS)]
-TaskName = Annotated[str, Meta(max_length=MAX_ID_CHARS)]  # "" = the base model
-TaskId = Annotated[str, Meta(min_length=1, max_length=MAX_ID_CHARS)]
-Count = Annotated[int, Meta(ge=0, le=MAX_COUNT)]
-Positive = Annotated[int, Meta(ge=1, le=MAX_COUNT)]
-TokenId = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]
-TokenIds = Annotated[tuple[TokenId, ...], Meta(max_length=MAX_LIST)]
-Nonce = Annotated[bytes, Meta(min_length=NONCE_BYTES, max_length=NONCE_BYTES)]
-Proof = Annotated[bytes, Meta(min_length=PROOF_BYTES, max_length=PROOF_BYTES)]
-Penalty = Annotated[float, Meta(ge=-MAX_PENALTY, le=MAX_PENALTY)]
-# a logit bias is [token_id, bias]; the titles name the pair's items in errors
-LogitBias = tuple[Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID, title="token_id")],
-                  Annotated[float, Meta(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS, title="bias")]]  # fmt: skip
-
-
-class _Record(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
-    """A record of the wire: immutable, strict about unknown fields, free of reference cycles."""
-
-
-class _Message(_Record, tag_field="k", frozen=True):
-    """A wire message: a map whose ``k`` is the message kind."""
-
-
-# -- records inside messages -----------------------------------------------------------------
-
-
-class StageRef(_Record, array_like=True, frozen=True):
-    """One hop of a request's pipeline on the wire: the :class:`~helix.domain.Stage` and where that
-    node's data plane listens (``address``)."""
-
-    stage: Stage
-    address: Text
-
-    def __post_init__(self) -> None:
-        node, start, end = self.stage.node, self.stage.layer_start, self.stage.layer_end
-        if not node or len(node) > MAX_ID_CHARS:
-            raise ValueError(f".stage.node: expected 1 to {MAX_ID_CHARS} characters, got {len(node)}")
-        if not 0 <= start < MAX_LAYER:
-            raise ValueError(f".stage.layer_start: expected an integer in [0, {MAX_LAYER}), got {start}")
-        if not start < end <= MAX_LAYER:
-            raise ValueError(f".stage.layer_end: expected an integer in [{start + 1}, {MAX_LAYER}], got {end}")
-
-
-StageRefs = Annotated[tuple[StageRef, ...], Meta(min_length=1, max_length=MAX_STAGES)]
-
-
-def _check_pipeline(pipeline: tuple[StageRef, ...]) -> None:
-    for i in range(1, len(pipeline)):
-        start, previous_end = pipeline[i].stage.layer_start, pipeline[i - 1].stage.layer_end
-        if start != previous_end:
-            raise ValueError(f".pipeline[{i}]: starts at layer {start} but the previous stage ends at {previous_end}")
-
-
-class SamplingSpec(_Record, frozen=True):
-    """Sampling parameters applied by a pipeline's last stage.
-
-    Penalties follow OpenAI: over the tokens this request generated, ``logits[t] -=
-    presence_penalty * (count[t] > 0) + frequency_penalty * count[t]``; ``logit_bias`` adds
-    ``bias`` to ``logits[token_id]`` for each ``(token_id, bias)`` pair. ``prior_output_ids`` are
-    the tokens the request generated before this admission (on a pipeline that failed; they are
-    the tail of the re-prefilled prompt): the penalties count them as if sampled here.
-    ``grammar`` (empty: none) is an llguidance grammar, a JSON string the coordinator compiled
-    from ``response_format``: the output must follow it, ``prior_output_ids`` included. ``paced``:
-    a one-stage pipeline waits for the coordinator's STEP instead of feeding its own token back.
-    """
-
-    temperature: Annotated[float, Meta(ge=0.0, le=100.0)] = 0.0
-    top_k: Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)] = 0
-    top_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 1.0
-    seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
-    stop_token_ids: TokenIds = ()
-    presence_penalty: Penalty = 0.0
-    frequency_penalty: Penalty = 0.0
-    logit_bias: Annotated[tuple[LogitBias, ...], Meta(max_length=MAX_LIST)] = ()
-    prior_output_ids: TokenIds = ()
-    grammar: Annotated[str, Meta(max_length=MAX_GRAMMAR_CHARS)] = ""
-    paced: bool = False
-
-    def __post_init__(self) -> None:
-        if len({token for token, _ in self.logit_bias}) != len(self.logit_bias):
-            raise ValueError(".logit_bias: a token id appears more than once")
-
-
-class AdmitInfo(_Record, frozen=True):
-    """What a downstream stage learns about a request with its first ACTIVATIONS."""
-
-    hop: Count
-    prompt_tokens: Positive
-    max_tokens: Positive
-    sampling: SamplingSpec
-    pipeline: StageRefs
-    reply_to: Text = ""
-    task: TaskName = ""
-
-    def __post_init__(self) -> None:
-        _check_pipeline(self.pipeline)
-        if self.hop >= len(self.pipeline):
-            raise ValueError(f".hop: expected an integer in [0, {len(self.pipeline) - 1}] (a stage of the pipeline), "
-                             f"got {self.hop}")  # fmt: skip
-
-
-class Distribution(_Record, array_like=True, frozen=True):
-    """Values observed since an agent started, counted in fixed buckets: ``counts[i]`` values in
-    ``(bounds[i-1], bounds[i]]`` and ``counts[-1]`` those above the last bound (so there is one
-    count more than bounds); ``total`` is their sum. Cumulative, so a lost heartbeat loses nothing."""
-
-    counts: Annotated[tuple[Count, ...], Meta(max_length=64)]
-    total: Annotated[float, Meta(ge=0.0, le=1e18)] = 0.0
-
-    @property
-    def observations(self) -> int:
-        return sum(self.counts)
-
-
-def _no_steps(bounds: tuple[float, ...]) -> Distribution:
-    return Distribution((0,) * (len(bounds) + 1))
-
-
-class StepStats(_Record, frozen=True):
-    """An agent's engine steps that ran something, since it started: each step's wall time
-    (``seconds``, bounds :data:`STEP_SECONDS_BUCKETS`), the requests it batched (``sequences``,
-    :data:`BATCH_SEQUENCES_BUCKETS`) and their tokens (``tokens``, :data:`BATCH_TOKENS_BUCKETS`):
-    one count per bound plus one each, and the same number of observations (one per step)."""
-
-    seconds: Distribution = field(default_factory=lambda: _no_steps(STEP_SECONDS_BUCKETS))
-    sequences: Distribution = field(default_factory=lambda: _no_steps(BATCH_SEQUENCES_BUCKETS))
-    tokens: Distribution = field(default_factory=lambda: _no_steps(BATCH_TOKENS_BUCKETS))
-
-    def __post_init__(self) -> None:
-        for name, bounds in STEP_STATS_BOUNDS.items():
-            counts = getattr(self, name).counts
-            if len(counts) != len(bounds) + 1:
-                raise ValueError(f".{name}.counts: expected {len(bounds) + 1} bucket counts, got {len(counts)}")
-        if not self.seconds.observations == self.sequences.observations == self.tokens.observations:
-            raise ValueError("seconds, sequences and tokens must count the same number of steps")
-
-    @property
-    def steps(self) -> int:
-        return self.seconds.observations
-
-
-class TokenOut(_Record, array_like=True, frozen=True):
-    """One sampled token of one request; ``finish_reason`` (None: more follow) ends the request on its stage."""
-
-    request_id: Name
-    step: Count
-    token_id: TokenId
-    finish_reason: FinishReason | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
+# and SamplingSpec.paced (defaulted; added in the same redesign, issue 14, so 6 stays); 7: live membership -
+# SET_LAYERS / RELEASE_LAYERS / LAYERS / LEAVING, WELCOME.version / .held and its 0:0 (no layers yet), REFUSED
+# codes "leaving" and "layers_moved" (issue 18)
+PROTOCOL_VERSION = 7
 
 # -- messages --------------------------------------------------------------------------------
 
@@ -239,17 +85,27 @@ class Auth(_Message, tag="AUTH", frozen=True):
 
 
 class Welcome(_Message, tag="WELCOME", frozen=True):
-    """Agent -> coordinator: the handshake succeeded; what this agent holds."""
+    """Agent -> coordinator: the handshake succeeded; what this agent holds.
+
+    ``[layer_start, layer_end)`` is the range the agent serves as its own: the plan's at start-up,
+    then that of the latest SET_LAYERS it finished loading (``version``; 0: none yet). A joining
+    agent that holds no layers yet says ``layer_start == layer_end == 0``. ``held``: every layer
+    it holds now (more than its range while a re-plan's old layers are not released yet); empty
+    means exactly ``[layer_start, layer_end)``."""
 
     node_id: Name
     layer_start: Count
     layer_end: Count
     kv_capacity_tokens: Count
     data_address: Name
+    version: Count = 0
+    held: LayerSpans = ()
 
     def __post_init__(self) -> None:
-        if self.layer_end <= self.layer_start:
-            raise ValueError(f".layer_end: expected more than layer_start {self.layer_start}, got {self.layer_end}")
+        if self.layer_end <= self.layer_start and (self.layer_start, self.layer_end) != (0, 0):
+            raise ValueError(f".layer_end: expected more than layer_start {self.layer_start} (or layer_start = "
+                             f"layer_end = 0: no layers yet), got {self.layer_end}")  # fmt: skip
+        check_spans(self.held, "held", self.layer_start, self.layer_end)
 
 
 class Admit(_Message, tag="ADMIT", frozen=True):
@@ -264,7 +120,7 @@ class Admit(_Message, tag="ADMIT", frozen=True):
     task: TaskName = ""  # the fine-tuned task (PET) the request runs ("" = the base model)
 
     def __post_init__(self) -> None:
-        _check_pipeline(self.pipeline)
+        check_pipeline(self.pipeline)
 
 
 class Step(_Message, tag="STEP", frozen=True):
@@ -385,9 +241,77 @@ class Tokens(_Message, tag="TOKENS", frozen=True):
     tokens: Annotated[tuple[TokenOut, ...], Meta(max_length=MAX_TOKENS_PER_MESSAGE)]
 
 
+# -- live membership: an agent's layers change while it serves, an agent leaves (issue 18) ---------
+
+
+class SetLayers(_Message, tag="SET_LAYERS", frozen=True):
+    """Coordinator -> agent: from plan ``version`` on, hold layers ``[layer_start, layer_end)``.
+
+    The agent loads the layers it lacks (new weights in before any old ones out: it then holds the
+    union) while it keeps serving every request it admitted; nothing is dropped until
+    RELEASE_LAYERS. Answered by LAYERS (``op`` "load") once the range is loaded, or at once with
+    ``error`` when it cannot be (not enough memory, naming the bytes, checked before loading; a
+    range past the model's layers; an older version). Versions only grow; a repeated version with
+    the same range is answered again."""
+
+    version: Positive
+    layer_start: Annotated[int, Meta(ge=0, lt=MAX_LAYER)]
+    layer_end: Annotated[int, Meta(ge=1, le=MAX_LAYER)]
+
+    def __post_init__(self) -> None:
+        if self.layer_end <= self.layer_start:
+            raise ValueError(f".layer_end: expected more than layer_start {self.layer_start}, got {self.layer_end}")
+
+
+class ReleaseLayers(_Message, tag="RELEASE_LAYERS", frozen=True):
+    """Coordinator -> agent: drop the layers outside plan ``version``'s range (the latest SET_LAYERS,
+    loaded), and their KV. A request that needs them and is not admitted yet is refused at once
+    (REFUSED, :attr:`~helix.domain.ErrorCode.LAYERS_MOVED`: retryable, the coordinator re-prefills it
+    elsewhere); the requests already running on them go on for up to ``drain_s`` seconds, then are
+    refused the same way. Answered by LAYERS (``op`` "release") once the layers are dropped."""
+
+    version: Positive
+    drain_s: Annotated[float, Meta(ge=0.0, le=86400.0)] = 30.0
+
+
+class Layers(_Message, tag="LAYERS", frozen=True):
+    """Agent -> the coordinator that asked: how SET_LAYERS (``op`` "load") or RELEASE_LAYERS
+    ("release") of ``version`` went. ``[layer_start, layer_end)``: the range the agent serves as its
+    own now (that of ``version`` when it succeeded); ``held``: every layer it holds now, and their
+    weights' bytes (``weight_bytes``); ``error`` (empty: done) says why not, naming the field or the
+    bytes; ``seconds``: how long the load or the release took."""
+
+    node_id: Name
+    version: Count
+    op: Annotated[str, Meta(pattern="^(load|release)$")]
+    layer_start: Count
+    layer_end: Count
+    held: LayerSpans = ()
+    weight_bytes: Count = 0
+    error: Text = ""
+    seconds: Annotated[float, Meta(ge=0.0, le=1e9)] = 0.0
+
+    def __post_init__(self) -> None:
+        check_spans(self.held, "held", self.layer_start, self.layer_end)
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+
+class Leaving(_Message, tag="LEAVING", frozen=True):
+    """Agent -> every coordinator: the agent was asked to stop (SIGTERM) and drains. It refuses new
+    requests (REFUSED, :attr:`~helix.domain.ErrorCode.LEAVING`, retryable), finishes those it runs
+    within ``drain_s`` seconds, refuses what is left the same way, then exits."""
+
+    node_id: Name
+    drain_s: Annotated[float, Meta(ge=0.0, le=86400.0)]
+    running: Count = 0  # requests it runs as it starts draining
+
+
 Message = (
     Hello | Challenge | Auth | Welcome | Admit | Step | Cancel | Heartbeat | Refused | Error | Activations | Tokens
-    | LoadTask | UnloadTask | TaskStatus
+    | LoadTask | UnloadTask | TaskStatus | SetLayers | ReleaseLayers | Layers | Leaving
 )
 
 KINDS: dict[type, str] = {cls: str(cls.__struct_config__.tag) for cls in get_args(Message)}

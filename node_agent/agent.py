@@ -3,9 +3,9 @@
 Sockets (all bound to loopback unless told otherwise):
 
 * **control** (ROUTER): coordinators connect here, prove the shared secret (HELLO -> CHALLENGE
-  -> AUTH -> WELCOME), then send ADMIT / STEP / CANCEL and LOAD_TASK / UNLOAD_TASK; the agent sends
-  HEARTBEATs (KV usage, queue lengths and its engine steps' times and batch sizes, every ~250 ms),
-  ERRORs and TASK_STATUS back on it.
+  -> AUTH -> WELCOME), then send ADMIT / STEP / CANCEL, LOAD_TASK / UNLOAD_TASK and SET_LAYERS /
+  RELEASE_LAYERS; the agent sends HEARTBEATs (KV usage, queue lengths and its engine steps' times
+  and batch sizes, every ~250 ms), ERRORs, TASK_STATUS, LAYERS and LEAVING back on it.
 * **data** (PULL): ACTIVATIONS from the previous stage of any request's pipeline.
 * outgoing PUSH sockets (one per peer): ACTIVATIONS to each request's next stage, TOKENS and
   REFUSED to the request's coordinator (``reply_to``).
@@ -35,6 +35,14 @@ TASK_STATUS to the coordinator that asked (an error names the file and the tenso
 already bound are untouched). UNLOAD_TASK unbinds a task; requests running it keep it until they
 finish. A request's task travels in ADMIT and in its first ACTIVATIONS' admission.
 
+Live membership (issue 18, :mod:`node_agent.membership`): SET_LAYERS loads a new layer range on a
+loader thread while the engine serves the old one (the engine thread inserts it between two steps
+and answers LAYERS); RELEASE_LAYERS frees the layers outside it once no request runs them. SIGTERM
+makes the agent leave: it tells its coordinators (LEAVING), refuses new requests (REFUSED
+"leaving", retryable), finishes what it runs within ``drain_timeout_s`` (while a coordinator is
+connected to finish them), refuses what is left and exits; a second SIGTERM, or SIGINT, stops it
+at once.
+
 This module is the shell: the sockets, the two threads and the hand-over between them. The request
 routes (admission, STEP, CANCEL, refusals, sending a step's results on) are
 :class:`node_agent.routes.RouteTable`'s; the coordinators' handshakes and heartbeats and the answers
@@ -54,10 +62,12 @@ from typing import Any
 import zmq
 
 from helix import wire
+from helix.domain import ErrorCode
 from helix.errors import HelixError, ProtocolError
 from helix.keys import CONTROL, DATA, KeyGuard, KeyPair, PeerPolicy
 from helix.zmq_io import CurveSockets, Frames, IOLoop
 from node_agent.control import Coordinators, task_status
+from node_agent.membership import Drain, LayerChanges
 from node_agent.routes import AgentStats, RouteTable, StageEngineLike
 from node_agent.step_log import StepLog
 from node_agent.step_meter import StepMeter
@@ -83,6 +93,8 @@ class AgentConfig:
     peers: PeerPolicy | None = None  # the cluster's keys and hosts (helix.keys); None: no checks, no CURVE
     key_pair: KeyPair | None = None  # this node's CURVE keys (needed when ``peers`` has keys)
     predecessors: frozenset[str] = frozenset()  # nodes whose activations the data socket lets in (with CURVE)
+    drain_timeout_s: float = 30.0  # a leaving agent (SIGTERM) finishes its requests within this long
+    max_weight_bytes: int | None = None  # the most bytes of weights SET_LAYERS may bring it to (None: free memory)
 
 
 class NodeAgent:
@@ -108,13 +120,20 @@ class NodeAgent:
         self.peers = PushPool(self.ctx, self.curve)
         self._coordinators = Coordinators(self.control, config.secret, config.node_id, self._welcome)  # I/O thread
         self._stopping = False
+        self._work = threading.Event()
         self.stats = AgentStats()
-        self._routes = RouteTable(config.node_id, engine, config.peers, config.wire_dtype, self._out, self.stats)
+        self._routes = RouteTable(config.node_id, engine, config.peers, config.wire_dtype, self._out, self.stats,
+                                  self._admission)  # fmt: skip
+        self.layers = LayerChanges(config.node_id, engine, reply=lambda identity, msg: self._out("", msg, identity),
+                                   refuse=self._routes.refuse, wake=self._work.set,
+                                   kv_capacity_tokens=engine.kv_usage().capacity_tokens,
+                                   max_weight_bytes=config.max_weight_bytes, threads=config.torch_threads)
+        self._drain = Drain(config.drain_timeout_s)  # engine thread
+        self._leave = False  # SIGTERM: drain, then stop
         # I/O thread -> engine thread: decoded messages (with the control identity, if any)
         # (handed over in batches: all messages of one drain join the same engine step)
         self._inbox: deque[list[tuple[bytes | None, wire.Message]]] = deque()
         self._arrivals: list[tuple[bytes | None, wire.Message]] = []  # I/O thread, not yet handed over
-        self._work = threading.Event()
         # the I/O thread's loop; the engine thread queues its messages for the coordinators on it (it sends
         # to peers itself: self.peers is its own)
         self.loop = IOLoop(tick_s=config.heartbeat_interval_s, on_tick=self._heartbeat, after_turn=self._hand_over)
@@ -143,8 +162,14 @@ class NodeAgent:
     # -- lifecycle ------------------------------------------------------------------------------
 
     def install_signals(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self.stop())
+        """SIGTERM: :meth:`leave` (a second one: :meth:`stop`); SIGINT: :meth:`stop`."""
+        signal.signal(signal.SIGTERM, lambda *_: self.stop() if self._leave else self.leave())
+        signal.signal(signal.SIGINT, lambda *_: self.stop())
+
+    def leave(self) -> None:  # any thread (a signal handler too)
+        """Drain, then stop: no new requests, the running ones finish within ``drain_timeout_s``."""
+        self._leave = True
+        self._work.set()
 
     def stop(self) -> None:  # any thread (a signal handler too)
         self._stopping = True
@@ -152,7 +177,7 @@ class NodeAgent:
         self.loop.stop()
 
     def close(self) -> None:
-        self.control.close(linger=0)
+        self.control.close()
         self.data.close(linger=0)
         if self.curve is not None:
             self.curve.close()
@@ -168,6 +193,9 @@ class NodeAgent:
         finally:
             self.stop()
             engine_thread.join(timeout=10)
+            self.loop.run_pending()  # what the engine thread queued last (LEAVING, LAYERS)
+            if self._leave:  # let it reach the coordinators
+                self.control.setsockopt(zmq.LINGER, 1000)
             self.close()
 
     def _to_engine(self, identity: bytes | None, msg: wire.Message) -> None:  # I/O thread
@@ -209,6 +237,10 @@ class NodeAgent:
                             self._reject("engine", exc)
                             if identity is not None:
                                 self._out("", wire.Error("protocol", exc.message), identity)
+                now = time.monotonic()
+                self.layers.poll(now)
+                if self._leave and self._drained(now):
+                    break
                 busy = self._step(step_log)
                 sched = getattr(self.engine, "scheduler", None)
                 self._kv = self.engine.kv_usage()
@@ -224,7 +256,7 @@ class NodeAgent:
             raise
         finally:
             self.stop()
-            self.peers.close()  # its sockets: closed by the thread that used them
+            self.peers.close(linger_ms=1000 if self._leave else 0)  # its sockets: closed by the thread that used them
             if step_log is not None:
                 step_log.close()
 
@@ -239,6 +271,33 @@ class NodeAgent:
             self._routes.on_cancel(msg)
         elif isinstance(msg, wire.Activations):
             self._routes.on_activations(msg)
+        elif isinstance(msg, wire.SetLayers):
+            self.layers.on_set(msg, identity)
+        elif isinstance(msg, wire.ReleaseLayers):
+            self.layers.on_release(msg, identity)
+
+    # -- membership: new admissions, leaving ----------------------------------------------------
+
+    def _admission(self, start: int, end: int) -> tuple[ErrorCode, str] | None:  # engine thread
+        if self._drain.started:
+            return ErrorCode.LEAVING, f"node {self.config.node_id!r} is leaving (it drains before it stops)"
+        moved = self.layers.refusal(start, end)
+        return None if moved is None else (ErrorCode.LAYERS_MOVED, moved)
+
+    def _drained(self, now: float) -> bool:  # engine thread
+        """Whether the leaving agent may stop: its requests are done, or refused once its drain time is up."""
+        if not self._drain.started:
+            self._drain.start(now)
+            self.layers.closed = f"node {self.config.node_id!r} is leaving: its layers no longer change"
+            running = len(self._routes.routes)
+            log.info("leaving: draining %d requests (for at most %.0f s)", running, self._drain.timeout_s)
+            self._out("", wire.Leaving(self.config.node_id, self._drain.timeout_s, running))
+        if self._routes.routes and (self._drain.up(now) or not self._coordinators.connected):
+            why = f"its drain time ({self._drain.timeout_s:g} s) is up" if self._drain.up(now) else \
+                "no coordinator is connected to finish its requests"
+            self._routes.refuse(list(self._routes.routes), ErrorCode.LEAVING,
+                                f"node {self.config.node_id!r} left: {why}")  # fmt: skip
+        return not self._routes.routes
 
     # -- control plane --------------------------------------------------------------------------
 
@@ -250,7 +309,8 @@ class NodeAgent:
                 self._coordinators.handshake(identity, msg)
             elif identity not in self._coordinators:
                 raise ProtocolError(f"{wire.KINDS[type(msg)]} before the handshake: send HELLO first")
-            elif isinstance(msg, wire.Admit | wire.Step | wire.Cancel | wire.LoadTask | wire.UnloadTask):
+            elif isinstance(msg, wire.Admit | wire.Step | wire.Cancel | wire.LoadTask | wire.UnloadTask | wire.SetLayers
+                             | wire.ReleaseLayers):
                 self._to_engine(identity, msg)
             else:
                 raise ProtocolError(f"{wire.KINDS[type(msg)]} is not accepted on an agent's control socket")
@@ -258,8 +318,9 @@ class NodeAgent:
             self._reject("control", exc, identity)
 
     def _welcome(self) -> wire.Welcome:
-        return wire.Welcome(self.config.node_id, self.engine.layer_start, self.engine.layer_end,
-                            self._kv.capacity_tokens, self.data_address)  # fmt: skip
+        view = self.layers.welcome  # the engine thread's snapshot
+        return wire.Welcome(self.config.node_id, view.layer_start, view.layer_end, self._kv.capacity_tokens,
+                            self.data_address, view.version, view.held)  # fmt: skip
 
     # -- data plane -----------------------------------------------------------------------------
 

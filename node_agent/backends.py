@@ -72,6 +72,9 @@ def build_stage_model(model_dir: str | Path, config: ModelConfig, start: int, en
     if backend.device == "cuda" and not torch.cuda.is_available():
         raise EngineError(f"backend {backend}: no CUDA device is available to this PyTorch ({torch.__version__})")
     if backend.name == "vllm":
+        if start == end:
+            raise EngineError(f"backend {backend}: an agent starts with no layers (and takes on layers while it "
+                              "serves) on the torch backend only")  # fmt: skip
         try:
             from node_agent.vllm_layers import VllmStageModel
         except ImportError as exc:
@@ -80,8 +83,8 @@ def build_stage_model(model_dir: str | Path, config: ModelConfig, start: int, en
     from node_agent.model import StageModel
     from node_agent.weights import load_stage_weights
 
-    return StageModel(config, start, end, load_stage_weights(model_dir, config, start, end),
-                      dtype=backend.torch_dtype, device=backend.device)  # fmt: skip
+    tensors = load_stage_weights(model_dir, config, start, end) if end > start else {}  # start == end: none yet
+    return StageModel(config, start, end, tensors, dtype=backend.torch_dtype, device=backend.device)
 
 
 def check_backend(node_id: str, backend: StageBackend, model_dir: str | Path) -> None:

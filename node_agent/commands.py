@@ -1,6 +1,7 @@
 """``helix agent``: start one node agent of a planned cluster (also ``python -m node_agent``).
 
-The node's layer range comes from the plan's placement; the control socket binds to ``--bind``,
+The node's layer range comes from the plan's placement (``--no-layers``: none yet, the coordinator
+gives it one with SET_LAYERS while the agent serves); the control socket binds to ``--bind``,
 else the node's ``address`` in the cluster file, else a free loopback port. The data socket binds
 to ``--data-bind`` or a free port on the same host. The shared secret is read from the
 environment variable named by ``--secret-env``; without one the agent only binds to loopback.
@@ -8,6 +9,8 @@ When the cluster file names CURVE keys (``keys_dir`` or ``public_key``; ``helix 
 them), every socket runs CURVE with the node's secret certificate (``--key``, default
 ``<keys_dir>/<node>.key_secret``) and no shared secret is needed; beyond loopback without keys
 the agent warns that its links are neither encrypted nor authenticated. Once serving, the agent prints one line ``READY node=... control=... data=...`` to stdout.
+SIGTERM makes it leave: it drains for up to ``--drain-timeout-s`` (:mod:`node_agent.membership`),
+then exits 0; a second SIGTERM, or SIGINT, stops it at once.
 """
 
 from __future__ import annotations
@@ -62,6 +65,15 @@ def add_agent_arguments(p: argparse.ArgumentParser) -> None:
                    help="weights, activations and KV cache (default: the node's `dtype` in the cluster file, else float32)")
     p.add_argument("--device", choices=["cpu", "cuda"],
                    help="where to compute (default: the node's `device` in the cluster file, else cpu)")
+    p.add_argument("--no-layers", action="store_true",
+                   help="start holding no layers (a node joining a running cluster: the coordinator assigns its "
+                        "range with SET_LAYERS); the node need not be in the plan's placement")
+    p.add_argument("--drain-timeout-s", type=float, default=30.0,
+                   help="on SIGTERM the agent takes no new requests and finishes those it runs within this long, "
+                        "refuses the rest (retryable: the coordinator re-prefills them elsewhere) and exits")
+    p.add_argument("--max-weight-bytes", type=int,
+                   help="the most bytes of weights SET_LAYERS may bring this agent to (default: what the device "
+                        "has free)")
     p.add_argument("--step-log", metavar="FILE",
                    help="write one JSON line per engine step (time, CPU, batch by layer) to FILE; {node} is replaced")
 
@@ -74,9 +86,13 @@ def run_agent(args: argparse.Namespace) -> int:
     cluster = load_cluster(args.cluster)
     node = cluster.node(args.node)
     plan = load_model(Plan, args.plan)
-    if args.node not in plan.placement:
-        raise ConfigError(f"node {args.node!r} holds no layers in this plan", source=args.plan, field="placement")
-    start, end = plan.placement[args.node]
+    if args.no_layers:
+        start, end = 0, 0
+    elif args.node not in plan.placement:
+        raise ConfigError(f"node {args.node!r} holds no layers in this plan (--no-layers: start with none)",
+                          source=args.plan, field="placement")  # fmt: skip
+    else:
+        start, end = plan.placement[args.node]
     control = args.bind or node.address or "tcp://127.0.0.1:*"
     data = args.data_bind or any_port(control)
     secret = os.environ.get(args.secret_env, "")
@@ -90,8 +106,10 @@ def run_agent(args: argparse.Namespace) -> int:
     elif beyond_loopback and not security["peers"].curve:
         log.warning("binding %s beyond loopback without CURVE keys: activations and tokens travel unencrypted and "
                     "anyone who reaches the data port can send activations (run `helix keys`, docs/gpu.md)", control)
-    if args.gather_window_ms is not None and args.gather_window_ms < 0:
-        raise ConfigError(f"must be 0 or more, got {args.gather_window_ms}", field="--gather-window-ms")
+    for flag, value in (("--gather-window-ms", args.gather_window_ms), ("--drain-timeout-s", args.drain_timeout_s),
+                        ("--max-weight-bytes", args.max_weight_bytes)):  # fmt: skip
+        if value is not None and value < 0:
+            raise ConfigError(f"must be 0 or more, got {value}", field=flag)
     if args.model_dir is not None and not Path(args.model_dir).is_dir():
         raise EngineError(f"{args.model_dir}: model directory not found (--model-dir)")
     if plan.model != cluster.model:
@@ -109,7 +127,8 @@ def run_agent(args: argparse.Namespace) -> int:
                        token_budget=args.token_budget, chunk_size=args.chunk_size or None,
                        wire_dtype=args.wire_dtype, threads=args.threads, max_frame_bytes=args.max_frame_bytes,
                        step_log=args.step_log.replace("{node}", args.node) if args.step_log else None,
-                       gather_window_ms=args.gather_window_ms, backend=backend, **security)  # fmt: skip
+                       gather_window_ms=args.gather_window_ms, backend=backend, drain_timeout_s=args.drain_timeout_s,
+                       max_weight_bytes=args.max_weight_bytes, **security)  # fmt: skip
 
 
 def agent_security(cluster: ClusterSpec, plan: Plan, node: str, key_file: str | None,
@@ -132,7 +151,8 @@ def agent_security(cluster: ClusterSpec, plan: Plan, node: str, key_file: str | 
             raise ConfigError(f"node {node!r} would bind {bind}, but its peers send to {', '.join(sorted(allowed))} "
                               f"only (its address in the cluster file, loopback without one)", source=cluster.source,
                               field="--bind")  # fmt: skip
-    senders = predecessors(plan.placement, node, partial_handoffs=plan.partial_handoffs, links=set(cluster.resolved_links()))
+    senders = predecessors(plan.placement, node, partial_handoffs=plan.partial_handoffs,
+                           links=set(cluster.resolved_links())) if node in plan.placement else set()  # fmt: skip
     return {"peers": policy, "key_pair": key_pair, "predecessors": frozenset(senders)}
 
 
@@ -181,8 +201,10 @@ def serve_agent(*, node_id: str, layer_start: int, layer_end: int, model_dir: st
                 threads: int = 1, max_frame_bytes: int = 64 << 20, step_log: str | None = None,
                 gather_window_ms: float | None = None, backend: StageBackend | None = None,
                 peers: PeerPolicy | None = None, key_pair: KeyPair | None = None,
-                predecessors: frozenset[str] = frozenset()) -> int:
-    """Load the stage, bind, print READY, serve until SIGTERM/SIGINT."""
+                predecessors: frozenset[str] = frozenset(), drain_timeout_s: float = 30.0,
+                max_weight_bytes: int | None = None) -> int:
+    """Load the stage (``layer_start == layer_end``: no layers yet), bind, print READY, serve until
+    SIGTERM (drain, then stop) or SIGINT."""
     import torch
 
     from node_agent.agent import AgentConfig, NodeAgent
@@ -199,7 +221,8 @@ def serve_agent(*, node_id: str, layer_start: int, layer_end: int, model_dir: st
     gather = {} if gather_window_ms is None else {"gather_window_s": gather_window_ms / 1000}
     config = AgentConfig(node_id=node_id, control_bind=control_bind, data_bind=data_bind, secret=secret,
                          wire_dtype=wire_dtype, max_frame_bytes=max_frame_bytes, torch_threads=threads,
-                         step_log=step_log, peers=peers, key_pair=key_pair, predecessors=predecessors, **gather)
+                         step_log=step_log, peers=peers, key_pair=key_pair, predecessors=predecessors,
+                         drain_timeout_s=drain_timeout_s, max_weight_bytes=max_weight_bytes, **gather)
     agent = NodeAgent(config, engine)
     agent.install_signals()
     print(f"READY node={node_id} layers={layer_start}:{layer_end} backend={engine.backend.name} control={agent.control_address} "

@@ -42,6 +42,11 @@ class Coordinators:
     def __contains__(self, identity: bytes) -> bool:
         return identity in self._trusted
 
+    @property
+    def connected(self) -> bool:
+        """Whether any authenticated coordinator is still there (any thread may ask)."""
+        return bool(self._trusted)
+
     def handshake(self, identity: bytes, msg: wire.Hello | wire.Auth) -> None:
         # an AUTH ends the handshake, either way; a HELLO starts one (a repeated HELLO continues it)
         handshake = self._handshakes.pop(identity, None) or AgentHandshake(self._secret, self._node_id, self._welcome)

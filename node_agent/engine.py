@@ -13,6 +13,11 @@ A :class:`StageEngine` holds layers ``[layer_start, layer_end)`` of a model, a K
 * A token sampled elsewhere comes back through ``push_token``; when one engine runs a request's
   whole model it loops the token back itself, unless the request is ``paced`` (its caller decides
   whether the next step runs, e.g. after a stop string: it pushes the token back or cancels).
+* The layers held may change while it serves (issue 18): :mod:`node_agent.stage_layers` says what
+  a new range ``[c, d)`` lacks and builds it (any thread), :meth:`StageEngine.insert_layers` adds
+  it between two steps (the engine then holds the union, and ``[c, d)`` is its range) and
+  :meth:`~StageEngine.drop_layers` frees the layers outside a range that no request runs. A
+  request's KV holds only its own layers, so requests admitted on the old range run on unchanged.
 * Fine-tuned tasks (:mod:`node_agent.pets`) are bound with ``add_task`` (the stage keeps only the
   PET of its own layers) and named per request (``add_request(..., task=...)``); one step batches
   the rows of many tasks and of the base model. Torch backend only.
@@ -25,15 +30,17 @@ from pathlib import Path
 
 import torch
 
+from helix.domain import LayerRange
 from helix.errors import EngineError, RequestError, UnknownTaskError
 from node_agent.backends import StageBackend, build_stage_model
 from node_agent.config import ModelConfig, load_config
 from node_agent.grammar import GrammarTokenizer
 from node_agent.kv_cache import KVAccount, KVUsage, RequestKV
-from node_agent.model import Segment
+from node_agent.model import Segment, StageModel, StageParts
 from node_agent.pets import TaskPET
 from node_agent.sampling import RequestSampler, SamplingParams, finish_reason
 from node_agent.scheduler import Batch, Scheduler, SchedulerConfig
+from node_agent.stage_layers import describe_spans, spans
 from node_agent.stage_task import StageTask, bind_task
 from node_agent.task_ops import TaskRows
 from node_agent.weights import load_tensors
@@ -85,13 +92,16 @@ class StageEngine:
         self.model_dir = Path(model_dir)
         self.config: ModelConfig = load_config(model_dir)
         end = self.config.num_layers if layer_end is None else layer_end
+        if end == layer_start:  # no layers yet (an agent that joins): its range comes later
+            layer_start = end = 0
         self.backend = backend or StageBackend()
         self.model = build_stage_model(model_dir, self.config, layer_start, end, self.backend)
-        self.layer_start, self.layer_end = layer_start, end
+        self.layer_start, self.layer_end = layer_start, end  # the stage's range (the latest one it was given)
         self.scheduler = Scheduler(scheduler or SchedulerConfig(), KVAccount(kv_capacity_tokens))
         self.grammars = GrammarTokenizer(model_dir, self.config.vocab_size, self.config.eos_token_ids)  # read lazily
         self._requests: dict[str, _Request] = {}
         self._tasks: dict[str, StageTask] = {}
+        self._task_ranges: dict[str, tuple[int, int]] = {}  # the layers each task was bound for
 
     # ---- fine-tuned tasks --------------------------------------------------------------------
     def add_task(self, task_id: str, pet: TaskPET, *, max_lora_rank: int | None = None) -> StageTask:
@@ -107,11 +117,13 @@ class StageEngine:
                          device=self.model.device, max_lora_rank=max_lora_rank,
                          base_weights=lambda names: load_tensors(self.model_dir, names))  # fmt: skip
         self._tasks[task_id] = task
+        self._task_ranges[task_id] = (self.layer_start, self.layer_end)
         return task
 
     def remove_task(self, task_id: str) -> None:
         """Unbind a task; its requests in flight finish with it. Unknown ids are ignored."""
         self._tasks.pop(task_id, None)
+        self._task_ranges.pop(task_id, None)
 
     @property
     def tasks(self) -> dict[str, StageTask]:
@@ -141,9 +153,14 @@ class StageEngine:
                 raise UnknownTaskError(f"request {request_id!r}: task {task!r} is not loaded on stage "
                                        f"[{self.layer_start}, {self.layer_end})", task=task)  # fmt: skip
             bound = self._tasks[task]
-        if not self.layer_start <= start < end <= self.layer_end:
-            raise RequestError(f"layer range [{start}, {end}) is not inside this stage's "
-                               f"[{self.layer_start}, {self.layer_end})", param="layer_range")
+            bound_start, bound_end = self._task_ranges[task]
+            if not bound_start <= start < end <= bound_end:
+                raise UnknownTaskError(f"request {request_id!r}: task {task!r} is bound to layers [{bound_start}, "
+                                       f"{bound_end}) of this stage, not to all of [{start}, {end}) (load it again "
+                                       f"after the stage's layers changed)", task=task)  # fmt: skip
+        if not (start < end and self.holds(start, end)):
+            raise RequestError(f"layer range [{start}, {end}) is not inside the layers this stage holds "
+                               f"({describe_spans(self.held)})", param="layer_range")
         if start == 0:
             if not prompt_token_ids:
                 raise RequestError("a request starting at layer 0 needs prompt_token_ids", param="prompt_token_ids")
@@ -193,6 +210,49 @@ class StageEngine:
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
+
+    # ---- the layers held ---------------------------------------------------------------------
+    @property
+    def held(self) -> tuple[LayerRange, ...]:
+        """The layers this stage holds, as ascending ranges (several after a re-plan added a range)."""
+        if isinstance(self.model, StageModel):
+            return spans(self.model.layers)
+        return (LayerRange(self.layer_start, self.layer_end),) if self.layer_end > self.layer_start else ()
+
+    def holds(self, start: int, end: int) -> bool:
+        return any(r.start <= start and end <= r.end for r in self.held)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the weights held (0 where the backend does not say)."""
+        return self.model.nbytes if isinstance(self.model, StageModel) else 0
+
+    def layer_model(self) -> StageModel:
+        """The model whose layers change while it serves (EngineError on a backend whose layers do not)."""
+        if not isinstance(self.model, StageModel):
+            raise EngineError(f"backend {self.backend}: the layers a stage holds change while it serves on the "
+                              f"torch backend only")  # fmt: skip
+        return self.model
+
+    def insert_layers(self, parts: StageParts, start: int, end: int) -> None:
+        """Hold ``parts`` too (between two steps); ``[start, end)`` (held now) becomes the stage's range."""
+        self.layer_model().insert(parts)
+        assert self.holds(start, end), f"[{start}, {end}) is not held after inserting its layers"
+        self.layer_start, self.layer_end = start, end
+
+    def requests_on(self, layers: set[int]) -> list[str]:
+        """The requests whose sub-range runs any of ``layers``."""
+        return [r.request_id for r in self._requests.values() if not layers.isdisjoint(range(r.layer_start,
+                                                                                             r.layer_end))]
+
+    def drop_layers(self, keep_start: int, keep_end: int) -> tuple[int, ...]:
+        """Free the layers held outside ``[keep_start, keep_end)`` that no request runs; those it frees."""
+        model = self.layer_model()
+        outside = {i for i in model.layers if not keep_start <= i < keep_end}
+        for rid in self.requests_on(outside):
+            outside -= set(range(self._requests[rid].layer_start, self._requests[rid].layer_end))
+        model.drop(outside)
+        return tuple(sorted(outside))
 
     @property
     def has_unfinished(self) -> bool:

@@ -1,4 +1,4 @@
-"""The Llama-family decoder *stage*: layers ``[start, end)`` of a model, run on flattened tokens.
+"""The Llama-family decoder *stage*: the layers a stage holds, run on flattened tokens.
 
 Selective batching (Orca): every linear op (QKV / O projections, MLP, norms) runs once on the
 concatenated tokens of all requests in the step; attention runs per request against that
@@ -6,6 +6,11 @@ request's own KV cache. A request may carry a layer sub-range ``[a, b)`` inside 
 (Helix's overlap resolution): at layer ``l`` only the rows of requests with ``a <= l < b`` are
 computed, the rest pass through untouched. The stage that holds layer 0 owns the token
 embedding; the stage that holds the last layer owns the final norm and the LM head.
+
+The layers held may change while the stage serves (a re-plan, issue 18): :func:`build_parts` builds
+new layers' weights off the engine thread, :meth:`StageModel.insert` adds them and
+:meth:`StageModel.drop` frees some, each between two steps; a step runs only the layers its
+requests need, so the layers held need not be contiguous.
 
 A request may belong to a fine-tuned *task* (``Segment.task``): the shared ops still run once
 over every row, then each task's PET op runs on its rows (:mod:`node_agent.task_ops`). A step with no
@@ -15,6 +20,7 @@ task rows runs exactly the base path.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,36 +113,109 @@ class LayerWeights:
     gate_up: Linear  # fused [gate; up] rows
     down: Linear
 
+    @property
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in (self.qkv, self.o_proj, self.gate_up, self.down)) + \
+            _nbytes(self.input_norm) + _nbytes(self.post_norm)
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+@dataclass(slots=True)
+class StageParts:
+    """Weights of some layers of a stage (and the embedding, final norm and LM head where asked),
+    built from checkpoint tensors and ready to insert into a :class:`StageModel` between two steps."""
+
+    layers: dict[int, LayerWeights]
+    embed_tokens: torch.Tensor | None = None
+    final_norm: torch.Tensor | None = None
+    lm_head: Linear | None = None
+
+    @property
+    def nbytes(self) -> int:
+        shared = self.lm_head is not None and self.lm_head.weight is not None and self.lm_head.weight is self.embed_tokens
+        head = 0 if self.lm_head is None or shared else self.lm_head.nbytes
+        return sum(w.nbytes for w in self.layers.values()) + _nbytes(self.embed_tokens) + \
+            _nbytes(self.final_norm) + head
+
+
+def build_parts(config: ModelConfig, layers: Iterable[int], tensors: dict[str, torch.Tensor], *, embed: bool,
+                head: bool, dtype: torch.dtype = torch.float32,
+                device: str | torch.device = "cpu") -> StageParts:  # fmt: skip
+    """The :class:`StageParts` of ``layers`` (and the embedding / final norm + LM head when ``embed`` /
+    ``head``) from ``tensors`` (checkpoint names, :func:`node_agent.weights.stage_tensor_names`):
+    fused, converted to ``dtype`` on ``device``, pre-packed. Touches no model: any thread may build."""
+    device = torch.device(device)
+    if (dtype, device.type) != (torch.float32, "cpu"):
+        tensors = {name: t.to(device, dtype) for name, t in tensors.items()}
+    parts = StageParts({})
+    for i in layers:
+        t = {name: tensors[f"model.layers.{i}.{name}"] for name in LAYER_TENSORS}
+        parts.layers[i] = LayerWeights(
+            input_norm=t["input_layernorm.weight"],
+            qkv=Linear(torch.cat([t["self_attn.q_proj.weight"], t["self_attn.k_proj.weight"],
+                                  t["self_attn.v_proj.weight"]])),
+            o_proj=Linear(t["self_attn.o_proj.weight"]),
+            post_norm=t["post_attention_layernorm.weight"],
+            gate_up=Linear(torch.cat([t["mlp.gate_proj.weight"], t["mlp.up_proj.weight"]])),
+            down=Linear(t["mlp.down_proj.weight"]),
+        )
+    if embed:
+        parts.embed_tokens = tensors[EMBED]
+    if head:
+        parts.final_norm = tensors[FINAL_NORM]
+        parts.lm_head = Linear(tensors[EMBED] if config.tie_word_embeddings else tensors[LM_HEAD])
+    return parts
+
 
 class StageModel:
-    """Weights + forward math of layers ``[start, end)``; holds no per-request state."""
+    """Weights + forward math of the layers a stage holds; holds no per-request state.
+
+    Built with layers ``[start, end)`` (none when ``start == end``); :meth:`insert` adds layers
+    built by :func:`build_parts` and :meth:`drop` removes some, so the layers held may be any set
+    (a re-plan's new range next to the old one). The embedding is held with layer 0, the final
+    norm and LM head with the last layer.
+    """
 
     def __init__(self, config: ModelConfig, start: int, end: int, tensors: dict[str, torch.Tensor], *,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
-        self.config, self.start, self.end = config, start, end
+        self.config = config
         self.dtype, self.device = dtype, torch.device(device)
-        if (dtype, self.device.type) != (torch.float32, "cpu"):
-            tensors = {name: t.to(self.device, dtype) for name, t in tensors.items()}
         self.attention = StepAttention(config.num_heads, config.head_dim)
         self.layers: dict[int, LayerWeights] = {}
-        for i in range(start, end):
-            t = {name: tensors[f"model.layers.{i}.{name}"] for name in LAYER_TENSORS}
-            self.layers[i] = LayerWeights(
-                input_norm=t["input_layernorm.weight"],
-                qkv=Linear(torch.cat([t["self_attn.q_proj.weight"], t["self_attn.k_proj.weight"],
-                                      t["self_attn.v_proj.weight"]])),
-                o_proj=Linear(t["self_attn.o_proj.weight"]),
-                post_norm=t["post_attention_layernorm.weight"],
-                gate_up=Linear(torch.cat([t["mlp.gate_proj.weight"], t["mlp.up_proj.weight"]])),
-                down=Linear(t["mlp.down_proj.weight"]),
-            )
-        self.embed_tokens = tensors[EMBED] if start == 0 else None
-        self.is_last = end == config.num_layers
-        self.final_norm = tensors[FINAL_NORM] if self.is_last else None
-        self.lm_head = Linear(tensors[EMBED] if config.tie_word_embeddings else tensors[LM_HEAD]) if self.is_last else None
+        self.embed_tokens: torch.Tensor | None = None
+        self.final_norm: torch.Tensor | None = None
+        self.lm_head: Linear | None = None
         self.inv_freq = rope_inv_freq(config.rope, config.head_dim)
-        if self.layers:
-            _native_for(self.layers[start].input_norm)  # build / load the kernels at start-up, not in a step
+        self.insert(build_parts(config, range(start, end), tensors, embed=start == 0 < end,
+                                head=start < end == config.num_layers, dtype=dtype, device=device))  # fmt: skip
+
+    def insert(self, parts: StageParts) -> None:
+        """Hold ``parts`` too (between two steps; replaces layers already held)."""
+        self.layers.update(parts.layers)
+        if parts.embed_tokens is not None:
+            self.embed_tokens = parts.embed_tokens
+        if parts.lm_head is not None:
+            self.final_norm, self.lm_head = parts.final_norm, parts.lm_head
+        if parts.layers:
+            _native_for(next(iter(parts.layers.values())).input_norm)  # build / load the kernels now, not in a step
+
+    def drop(self, layers: Iterable[int]) -> None:
+        """Stop holding ``layers`` (between two steps): their weights are freed once no step uses them;
+        the embedding goes with layer 0, the final norm and LM head with the last layer."""
+        for i in layers:
+            self.layers.pop(i, None)
+        if 0 not in self.layers:
+            self.embed_tokens = None
+        if self.config.num_layers - 1 not in self.layers:
+            self.final_norm = self.lm_head = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the weights held (a tied LM head counted once)."""
+        return StageParts(self.layers, self.embed_tokens, self.final_norm, self.lm_head).nbytes
 
     @property
     def holds_embedding(self) -> bool:
@@ -163,7 +242,7 @@ class StageModel:
         sizes = [s.num_tokens for s in segments]
         tasks = task_ops.TaskRows.group(((s.task, s.rows) for s in segments), hidden.device) \
             if any(s.task is not None for s in segments) else None
-        for layer in range(self.start, self.end):
+        for layer in range(min(s.layer_start for s in segments), max(s.layer_end for s in segments)):
             active = [s for s in segments if s.layer_start <= layer < s.layer_end]
             if not active:
                 continue

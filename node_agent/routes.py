@@ -5,7 +5,9 @@ ACTIVATIONS carrying the request's admission (a later stage) adds the request to
 a :class:`Route`, once every address its results would go to (the later stages', ``reply_to``) is
 where the cluster file puts that vertex; STEP hands the engine the coordinator's token; CANCEL
 forgets the request, and a tombstone drops its late activations. A request the engine cannot take
-(KV full, a bad request) or whose next stage is unreachable is REFUSED to its coordinator. After
+(KV full, a bad request) or whose next stage is unreachable is REFUSED to its coordinator, and so
+is a new one the agent's ``admission`` gate turns away (retryable: the agent is leaving, or its
+layers for the request moved; :mod:`node_agent.membership`). After
 each engine step :meth:`RouteTable.deliver` sends its hidden states on to the next stage
 (ACTIVATIONS; the first one carries the admission) and its tokens to the coordinators' sinks (one
 TOKENS per sink). The agent sends (``send``: :meth:`node_agent.agent.NodeAgent._out`).
@@ -15,12 +17,12 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from helix import wire
-from helix.domain import ErrorCode, FinishReason
+from helix.domain import ErrorCode, FinishReason, LayerRange
 from helix.errors import CapacityError, HelixError, ProtocolError
 from helix.keys import PeerPolicy
 from node_agent.transport import frame_tensor, sampling_params, tensor_frame
@@ -48,6 +50,17 @@ class StageEngineLike(Protocol):
     def has_request(self, request_id: str) -> bool: ...
     def step(self) -> Any: ...
     def kv_usage(self) -> Any: ...
+    # the layers held, while they change (node_agent.membership)
+    model_dir: Any
+    @property
+    def held(self) -> tuple[LayerRange, ...]: ...
+    @property
+    def weight_bytes(self) -> int: ...
+    def holds(self, start: int, end: int) -> bool: ...
+    def layer_model(self) -> Any: ...  # node_agent.model.StageModel
+    def insert_layers(self, parts: Any, start: int, end: int) -> None: ...
+    def drop_layers(self, keep_start: int, keep_end: int) -> tuple[int, ...]: ...
+    def requests_on(self, layers: set[int]) -> list[str]: ...
 
 
 class Send(Protocol):
@@ -87,15 +100,28 @@ class Route:
         return self.hop == len(self.pipeline) - 1
 
 
+Admission = Callable[[int, int], tuple[ErrorCode, str] | None]
+"""Whether a new request on layers ``[start, end)`` is turned away here, and why (None: it is not)."""
+
+
 class RouteTable:
     """The routes of the requests this node serves (engine thread only)."""
 
     def __init__(self, node_id: str, engine: StageEngineLike, peers: PeerPolicy | None, wire_dtype: str,
-                 send: Send, stats: AgentStats) -> None:  # fmt: skip
+                 send: Send, stats: AgentStats, admission: Admission | None = None) -> None:  # fmt: skip
         self.node_id, self.engine, self.peers, self.wire_dtype = node_id, engine, peers, wire_dtype
-        self._send, self.stats = send, stats
+        self._send, self.stats, self.admission = send, stats, admission
         self.routes: dict[str, Route] = {}
         self.tombstones: OrderedDict[str, None] = OrderedDict()
+
+    def refuse(self, request_ids: Iterable[str], code: ErrorCode, reason: str) -> None:
+        """Refuse requests this node serves (REFUSED to their coordinators; unknown ids are forgotten)."""
+        for rid in list(request_ids):
+            route = self.routes.get(rid)
+            if route is None:
+                self._forget(rid)
+            else:
+                self._refuse(rid, route, code, reason)
 
     def on_admit(self, msg: wire.Admit) -> None:
         me = msg.pipeline[0].stage
@@ -187,6 +213,10 @@ class RouteTable:
         if rid in self.routes:
             raise ProtocolError(f"request {rid!r} is already admitted on this node")
         me = route.pipeline[route.hop].stage
+        turned_away = self.admission(me.layer_start, me.layer_end) if self.admission is not None else None
+        if turned_away is not None:
+            self._refuse(rid, route, *turned_away)
+            return False
         try:
             self.engine.add_request(rid, sampling_params(route.sampling, route.max_tokens),
                                     prompt_token_ids=prompt, prompt_len=route.prompt_tokens,

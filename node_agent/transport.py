@@ -94,7 +94,8 @@ class PushPool:
             log.warning("peer %s is not reachable (or full): dropped %s", address, type(msg).__name__)
             return False
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
+        """Close every socket; ``linger_ms``: how long messages still queued may take to leave."""
         for sock in self._socks.values():
-            sock.close(linger=0)
+            sock.close(linger=linger_ms)
         self._socks.clear()

@@ -4,11 +4,15 @@ A model dir holds ``config.json`` plus one or more ``*.safetensors`` files (opti
 ``model.safetensors.index.json``). A stage ``[start, end)`` reads its decoder layers, the token
 embedding if ``start == 0``, and the final norm + LM head if ``end == num_layers`` (the
 embedding doubles as LM head when ``tie_word_embeddings`` is set). Tensors come back float32.
+A stage that takes on more layers while it serves reads theirs (:func:`tensor_names`), after
+checking what they will take (:func:`tensors_nbytes`, from the file headers alone).
 """
 
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -35,13 +39,35 @@ LM_HEAD = "lm_head.weight"
 
 def stage_tensor_names(config: ModelConfig, start: int, end: int) -> list[str]:
     """The checkpoint tensor names a stage holding layers ``[start, end)`` must load."""
-    names = [f"model.layers.{i}.{t}" for i in range(start, end) for t in LAYER_TENSORS]
-    if start == 0:
+    return tensor_names(config, range(start, end), embed=start == 0, head=end == config.num_layers)
+
+
+def tensor_names(config: ModelConfig, layers: Iterable[int], *, embed: bool, head: bool) -> list[str]:
+    """The checkpoint tensor names of ``layers``, plus the embedding (``embed``) and the final norm
+    and LM head (``head``; the embedding again when tied)."""
+    names = [f"model.layers.{i}.{t}" for i in layers for t in LAYER_TENSORS]
+    if embed:
         names.append(EMBED)
-    if end == config.num_layers:
+    if head:
         names.append(FINAL_NORM)
         names.append(EMBED if config.tie_word_embeddings else LM_HEAD)
     return list(dict.fromkeys(names))
+
+
+def tensors_nbytes(model_dir: str | Path, names: list[str], element_size: int) -> int:
+    """Bytes the named tensors take at ``element_size`` bytes a value, from the safetensors headers
+    (nothing is read but the shapes)."""
+    by_file: dict[Path, list[str]] = {}
+    index = _tensor_index(Path(model_dir))
+    for name in names:
+        if name not in index:
+            raise EngineError(f"{model_dir}: weights tensor '{name}' not found in any *.safetensors file")
+        by_file.setdefault(index[name], []).append(name)
+    total = 0
+    for path, in_file in by_file.items():
+        with safe_open(str(path), framework="pt") as f:
+            total += sum(math.prod(f.get_slice(name).get_shape()) for name in in_file)
+    return total * element_size
 
 
 def _tensor_index(model_dir: Path) -> dict[str, Path]:

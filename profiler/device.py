@@ -2,7 +2,8 @@
 
 :func:`device_name` is part of the measurement cache key; :func:`last_level_cache_bytes` sizes
 the probe stages (:func:`probe_stage_layers`) so their weights do not run from cache;
-:func:`free_memory_bytes` is what the node's KV capacity and layer limit come from
+:func:`free_memory_bytes` (:mod:`node_agent.memory`'s, which an agent also checks a new layer range
+against) is what the node's KV capacity and layer limit come from
 (:mod:`profiler.kv_capacity`); :func:`step_clock` is what a probe step is timed by
 (:mod:`profiler.measure`). CPU facts come from ``/proc`` and sysfs, a GPU's from ``torch.cuda``
 (imported only for a ``cuda`` device).
@@ -14,6 +15,10 @@ import platform
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from node_agent.memory import free_memory_bytes
+
+__all__ = ["device_name", "free_memory_bytes", "last_level_cache_bytes", "probe_stage_layers", "step_clock"]
 
 
 def device_name(device: str = "cpu") -> str:
@@ -66,24 +71,6 @@ def probe_stage_layers(num_layers: int, layer_bytes: int, cache_bytes: int, long
     small = max(1, -(-2 * cache_bytes // max(1, layer_bytes)))
     big = min(room, max(small + 3, 2 * small))
     return min(small, big - 1), big
-
-
-def free_memory_bytes(device: str = "cpu") -> int:
-    """Memory an engine could still allocate on ``device``."""
-    if device.startswith("cuda"):
-        import torch
-
-        free, _ = torch.cuda.mem_get_info(torch.device(device))
-        return int(free)
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import os
-
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
 
 
 def step_clock(device: str) -> Callable[[], float]:

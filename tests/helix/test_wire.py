@@ -54,6 +54,15 @@ MESSAGES: list[wire.Message] = [
     wire.UnloadTask("sql-lora"),
     wire.TaskStatus("a", "sql-lora", "load", False, "adapter_model.safetensors: model.layers.3...: shape"),
     wire.TaskStatus("a", "sql-lora", "unload", True, nbytes=4096),
+    wire.Welcome("j", 0, 0, 65536, "tcp://127.0.0.1:5003"),  # a joining node: no layers yet
+    wire.Welcome("a", 0, 15, 65536, "tcp://127.0.0.1:5001", 3, (wire.LayerSpan(0, 15), wire.LayerSpan(20, 30))),
+    wire.SetLayers(4, 0, 30),
+    wire.ReleaseLayers(4),
+    wire.ReleaseLayers(4, 0.0),
+    wire.Layers("a", 4, "load", 0, 30, (wire.LayerSpan(0, 30),), 540_000_000, seconds=1.25),
+    wire.Layers("a", 5, "load", 0, 15, (wire.LayerSpan(0, 15),), 270_000_000, "not enough memory: ... 1,234 bytes"),
+    wire.Layers("a", 4, "release", 15, 30, (wire.LayerSpan(15, 30),), 270_000_000),
+    wire.Leaving("a", 30.0, 7),
 ]
 
 
@@ -206,6 +215,29 @@ BAD: dict[str, tuple[list[bytes], str]] = {
                       "HEARTBEAT.steps.tokens.total"),
     "steps counts disagree": (_heartbeat_with(_steps_header(tokens=[[0] * 15, 0.0])), "same number of steps"),
     "bad token entry": (_frames({"k": "TOKENS", "node_id": "b", "tokens": [["r", 0, 1, "yes", ""]]}), "tokens[0]"),
+    "welcome empty range": (_frames({"k": "WELCOME", "node_id": "a", "layer_start": 4, "layer_end": 4,
+                                     "kv_capacity_tokens": 1, "data_address": "t"}),
+                            "WELCOME.layer_end: expected more than layer_start 4 (or layer_start = layer_end = 0"),
+    "welcome overlapping spans": (_frames({"k": "WELCOME", "node_id": "a", "layer_start": 0, "layer_end": 4,
+                                           "kv_capacity_tokens": 1, "data_address": "t", "held": [[0, 4], [3, 8]]}),
+                                  "WELCOME.held[1]: starts at layer 3, not past the previous span's end 4"),
+    "held misses the range": (_frames({"k": "LAYERS", "node_id": "a", "version": 1, "op": "load", "layer_start": 0,
+                                       "layer_end": 8, "held": [[0, 4], [6, 9]]}),
+                              "LAYERS.held: no span holds the range [0, 8) (held: [0, 4) [6, 9))"),
+    "set layers empty": (_frames({"k": "SET_LAYERS", "version": 1, "layer_start": 5, "layer_end": 5}),
+                         "SET_LAYERS.layer_end: expected more than layer_start 5, got 5"),
+    "set layers backwards": (_frames({"k": "SET_LAYERS", "version": 1, "layer_start": 9, "layer_end": 2}),
+                             "SET_LAYERS.layer_end: expected more than layer_start 9, got 2"),
+    "set layers version 0": (_frames({"k": "SET_LAYERS", "version": 0, "layer_start": 0, "layer_end": 2}),
+                             "SET_LAYERS.version: expected `int` >= 1"),
+    "set layers missing end": (_frames({"k": "SET_LAYERS", "version": 1, "layer_start": 0}), "SET_LAYERS.layer_end: missing"),
+    "release negative drain": (_frames({"k": "RELEASE_LAYERS", "version": 1, "drain_s": -1.0}),
+                               "RELEASE_LAYERS.drain_s: expected `float` >= 0.0"),
+    "layers unknown op": (_frames({"k": "LAYERS", "node_id": "a", "version": 1, "op": "swap", "layer_start": 0,
+                                   "layer_end": 2}), "LAYERS.op"),
+    "layers empty span": (_frames({"k": "LAYERS", "node_id": "a", "version": 1, "op": "load", "layer_start": 0,
+                                   "layer_end": 2, "held": [[2, 2]]}), "LAYERS.held[0].end: expected more than start 2"),
+    "leaving without drain": (_frames({"k": "LEAVING", "node_id": "a"}), "LEAVING.drain_s: missing"),
 }
 
 
@@ -258,11 +290,12 @@ def test_fuzz_random_headers_only_ever_raise_protocol_error() -> None:
                             [_stage("a", 0, 30)], ["a", 0], [[{"node": "a", "layer_start": 0}, "t"]],
                             [["r", 0, 1, "stop"]],
                             {"logit_bias": [[1, 2.0]]}, {"presence_penalty": 3}, {"prior_output_ids": [1, -1]},
-                            {"logit_bias": [[1, "x"]]}, _steps_header(),
+                            {"logit_bias": [[1, "x"]]}, _steps_header(), [[0, 4], [6, 9]], [[3, 1]], "load",
                             _steps_header(seconds=[[0] * 15, -1.0]), _steps_header(tokens=[[1] * 15, 1e30])]
     keys = ["request_id", "step", "token_id", "prompt", "max_tokens", "sampling", "pipeline", "dtype", "shape",
             "position", "admit", "node_id", "tokens", "nonce", "proof", "sender", "seq", "reason", "code", "steps",
-            "kv_used_tokens", "kv_reserved_tokens", "kv_capacity_tokens", "waiting", "running"]
+            "kv_used_tokens", "kv_reserved_tokens", "kv_capacity_tokens", "waiting", "running", "version",
+            "layer_start", "layer_end", "held", "drain_s", "op", "error", "weight_bytes", "seconds", "data_address"]
     for _ in range(3000):
         header: dict[str, object] = {"k": rng.choice(list(wire.KINDS.values()))}
         for key in rng.sample(keys, rng.randint(0, 8)):

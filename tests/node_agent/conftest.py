@@ -1,4 +1,5 @@
-"""Fixtures for the engine tests: one CPU thread, SmolLM2 converted once, random tiny Llamas."""
+"""Fixtures for the engine tests: one CPU thread, SmolLM2 converted once, random tiny Llamas, and a
+bare coordinator to drive an agent's control socket by hand."""
 
 from __future__ import annotations
 
@@ -8,6 +9,10 @@ from typing import Any
 
 import pytest
 import torch
+import zmq
+
+from helix import wire
+from helix.handshake import CoordinatorHandshake
 
 torch.set_num_threads(1)
 
@@ -109,3 +114,44 @@ def attention_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
     else:
         monkeypatch.setattr(native, "ops", lambda: None)
     return str(request.param)
+
+
+class BareCoordinator:
+    """A bare coordinator: a DEALER to an agent's control socket (the handshake done with
+    :class:`CoordinatorHandshake`; ``welcome``: the agent's WELCOME) and a PULL sink for its TOKENS."""
+
+    def __init__(self, ctx: zmq.Context[Any], control: str, node_id: str, secret: bytes) -> None:
+        self.dealer = ctx.socket(zmq.DEALER)
+        self.dealer.setsockopt(zmq.RCVTIMEO, 10_000)
+        self.dealer.connect(control)
+        self.sink = ctx.socket(zmq.PULL)
+        self.sink.setsockopt(zmq.RCVTIMEO, 60_000)
+        self.sink.bind("tcp://127.0.0.1:*")
+        self.reply_to = self.sink.getsockopt_string(zmq.LAST_ENDPOINT)
+        handshake = CoordinatorHandshake(secret, "test-coordinator", node_id)
+        self.send(handshake.start())
+        while True:
+            msg = self.control_reply()
+            outcome = handshake.on_message(msg)  # type: ignore[arg-type]
+            assert outcome.error is None, outcome.error
+            for reply in outcome.replies:
+                self.send(reply)
+            if outcome.trusted:
+                assert isinstance(msg, wire.Welcome)
+                self.welcome = msg  # what the agent holds
+                return
+
+    def send(self, msg: wire.Message) -> None:
+        self.dealer.send_multipart(wire.encode(msg))
+
+    def control_reply(self) -> wire.Message:
+        """The next control message that is not a heartbeat."""
+        while True:
+            msg = wire.decode(self.dealer.recv_multipart())
+            if not isinstance(msg, wire.Heartbeat):
+                return msg
+
+    def token(self) -> wire.TokenOut:
+        msg = wire.decode(self.sink.recv_multipart())
+        assert isinstance(msg, wire.Tokens) and len(msg.tokens) == 1, msg
+        return msg.tokens[0]

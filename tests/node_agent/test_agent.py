@@ -176,7 +176,7 @@ def test_bad_input_is_rejected_and_agents_keep_serving(smol_agents: AgentProcess
         cancel = {"k": "CANCEL", "request_id": "x"}
         bad_control = {
             "not valid msgpack": [b"\xc1\xc1\xc1"],
-            "protocol version 7": [msgspec.msgpack.encode([7, cancel])],
+            "protocol version 6": [msgspec.msgpack.encode([6, cancel])],
             "unknown message kind 'FLY'": [msgspec.msgpack.encode([wire.PROTOCOL_VERSION, {**cancel, "k": "FLY"}])],
             "over the limit": [b"\x00" * (MAX_FRAME + 10)],
             "CANCEL before the handshake": wire.encode(wire.Cancel("x")),

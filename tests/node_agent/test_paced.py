@@ -9,18 +9,16 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import zmq
 
 from helix import wire
 from helix.domain import Stage
-from helix.handshake import CoordinatorHandshake
 from node_agent.agent import AgentConfig, NodeAgent
 from node_agent.engine import StageEngine
 from node_agent.sampling import SamplingParams
-from tests.node_agent.conftest import make_tiny_llama
+from tests.node_agent.conftest import BareCoordinator, make_tiny_llama
 
 SECRET = b"paced-test-secret"
 PROMPT = [5, 17, 3, 42, 8]
@@ -51,44 +49,6 @@ def test_the_engine_waits_for_a_paced_requests_token_and_loops_an_unpaced_one_ba
     assert looped == tokens and not engine.has_unfinished
 
 
-class _Coordinator:
-    """A bare coordinator: a DEALER to the agent's control socket (the handshake done with
-    :class:`CoordinatorHandshake`) and a PULL sink for its TOKENS."""
-
-    def __init__(self, ctx: zmq.Context[Any], control: str) -> None:
-        self.dealer = ctx.socket(zmq.DEALER)
-        self.dealer.setsockopt(zmq.RCVTIMEO, 10_000)
-        self.dealer.connect(control)
-        self.sink = ctx.socket(zmq.PULL)
-        self.sink.setsockopt(zmq.RCVTIMEO, 60_000)
-        self.sink.bind("tcp://127.0.0.1:*")
-        self.reply_to = self.sink.getsockopt_string(zmq.LAST_ENDPOINT)
-        handshake = CoordinatorHandshake(SECRET, "test-coordinator", "solo")
-        self.send(handshake.start())
-        while True:
-            outcome = handshake.on_message(self.control_reply())  # type: ignore[arg-type]
-            assert outcome.error is None, outcome.error
-            for reply in outcome.replies:
-                self.send(reply)
-            if outcome.trusted:
-                return
-
-    def send(self, msg: wire.Message) -> None:
-        self.dealer.send_multipart(wire.encode(msg))
-
-    def control_reply(self) -> wire.Message:
-        """The next control message that is not a heartbeat."""
-        while True:
-            msg = wire.decode(self.dealer.recv_multipart())
-            if not isinstance(msg, wire.Heartbeat):
-                return msg
-
-    def token(self) -> wire.TokenOut:
-        msg = wire.decode(self.sink.recv_multipart())
-        assert isinstance(msg, wire.Tokens) and len(msg.tokens) == 1, msg
-        return msg.tokens[0]
-
-
 @pytest.fixture
 def agent(model_dir: Path) -> Iterator[NodeAgent]:
     ctx = zmq.Context()
@@ -106,7 +66,7 @@ def agent(model_dir: Path) -> Iterator[NodeAgent]:
 def test_a_paced_one_stage_request_runs_one_step_per_token_the_coordinator_takes(agent: NodeAgent) -> None:
     ctx = zmq.Context()
     try:
-        coordinator = _Coordinator(ctx, agent.control_address)
+        coordinator = BareCoordinator(ctx, agent.control_address, "solo", SECRET)
         spec = wire.SamplingSpec(paced=True)
         stage = wire.StageRef(Stage("solo", 0, agent.engine.layer_end), agent.data_address)
         coordinator.send(wire.Admit("r.1", tuple(PROMPT), MAX_TOKENS, spec, (stage,), coordinator.reply_to))
