@@ -50,6 +50,13 @@ layers, each carrying the prompt tokens and decoding requests of every request t
          + step(prompt tokens + decodes of the whole batch)
          + head_share * head(sequences sampled)
 
+**Fine-tuned tasks** (docs/pets.md; :meth:`NodeCurves.task_ms`): each task a span's requests run
+adds, on every layer of the span, its PET type's ``pet`` curve at the task's rows in the step
+(prompt tokens and decodes): ``+ layers * sum over tasks touched  pet[type](rows)``. Requests of the
+base model add nothing, nor does a profile without the curves. The simulator passes the tasks
+of each iteration it forms; the planner the ones a steady-state batch is expected to touch
+(:func:`expected_tasks`: requests drawn evenly from the cluster's tasks).
+
 ``head_share`` differs among the users on purpose: 1 on the node holding the model's last
 layer and 0 elsewhere (simulator, planner), ``k / num_layers`` in ``derive_tok_s`` (a
 ``tok_s(k)`` table does not know whether its node holds the last layer; exact for a node that
@@ -76,12 +83,14 @@ cluster's max flow is at most ``sum_i max_k k * T_i(k) / L`` (the paper's early-
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 # (layers, prompt tokens, decoding requests, those requests' context tokens) of one span of
 # consecutive layers in an iteration
 Span = tuple[float, float, float, float]
+# (PET type, tasks of that type a span's requests run, rows of each task in the step)
+TaskGroup = tuple[str, float, float]
 
 NETWORK_FREE_BOUND = "sum_i max_k k*T_i(k) / L"
 PROMPT_SLOT_TOKENS = 2048  # the paper's vLLM settings: prompt_max_tokens = whole prompts per iteration x this
@@ -151,6 +160,8 @@ class NodeCurves:
     context_ref_tokens: float = 0.0  # context per request the decode curve was measured at
     ms_per_context_token: float = 0.0  # per layer and decoding request, per context token beyond that
     decode_floor: bool = True  # a decode of fewer requests than the smallest measured batch costs that batch
+    # per PET type: ms one layer pays for each task of that type in the step, by the task's rows; None: 0
+    pet: Mapping[str, CostCurve] | None = field(default=None, hash=False)
 
     def decode_ms(self, decodes: float) -> float:
         """One layer's decode time for ``decodes`` requests, context aside: the decode curve, but
@@ -174,16 +185,45 @@ class NodeCurves:
             ms += head_share * self.head.at(sampled)
         return ms
 
-    def iteration_ms(self, spans: Iterable[Span], *, sampled: float, head_share: float = 0.0) -> float:
+    def task_ms(self, tasks: Iterable[TaskGroup]) -> float:
+        """One layer's time for the PET ops of ``tasks`` (module docstring); 0 without ``pet`` curves."""
+        pet = self.pet
+        if not pet:
+            return 0.0
+        ms = 0.0
+        for pet_type, count, rows in tasks:
+            curve = pet.get(pet_type)
+            if curve is not None:
+                ms += count * curve.at(rows)
+        return ms
+
+    def iteration_ms(self, spans: Iterable[Span], *, sampled: float, head_share: float = 0.0,
+                     tasks: Sequence[Iterable[TaskGroup]] = ()) -> float:  # fmt: skip
         """ms of one iteration (the module docstring's formula); ``spans``: (layers, prompt
         tokens, decodes, context tokens) per run of consecutive layers, each counting every
-        request that runs those layers, so the widest span holds the whole batch."""
+        request that runs those layers, so the widest span holds the whole batch; ``tasks[i]``:
+        the fine-tuned tasks the requests of ``spans[i]`` run (absent: none)."""
         ms = batch_tokens = 0.0
+        if tasks:
+            spans = spans if isinstance(spans, Sequence) else list(spans)
+            ms = sum(span[0] * self.task_ms(groups) for span, groups in zip(spans, tasks, strict=False))
         for layers, prompt_tokens, decodes, context in spans:
             ms += layers * self.layer_ms(prompt_tokens, decodes, context)
             if prompt_tokens + decodes > batch_tokens:
                 batch_tokens = prompt_tokens + decodes
         return ms + self.fixed_ms(batch_tokens, sampled, head_share)
+
+
+def expected_tasks(mix: Mapping[str, int], requests: float, rows: float) -> list[TaskGroup]:
+    """The tasks a batch of ``requests`` (``rows`` in all) touches on average when each request runs
+    one of ``mix``'s tasks (PET type -> tasks of it), drawn evenly: ``T (1 - (1 - 1/T)^n)`` of the
+    ``T`` tasks, in the mix's proportions, the rows shared evenly among them. Empty mix: none."""
+    total = sum(mix.values())
+    if total <= 0 or requests <= 0 or rows <= 0:
+        return []
+    share = 1.0 - (1.0 - 1.0 / total) ** requests  # of every task: the chance the batch touches it
+    each = rows / (total * share)
+    return [(pet_type, n * share, each) for pet_type, n in mix.items() if n > 0]
 
 
 def best_layer_tok_s(tok_s: Sequence[float]) -> float:

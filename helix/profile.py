@@ -40,6 +40,14 @@ holds the last layer; exact for a node holding the whole model)::
 
 The simulator and the planner's serving model charge them where they are paid.
 
+Optional per-task cost (absent = 0; docs/pets.md): ``pet_ms_per_layer`` maps a PET type (``lora``,
+``adapter``, ``bitfit``, ``diff``, ``mask``) to ``[rows, ms]`` points: what one layer pays more for
+each task of that type a step touches, by that task's rows in the step (its prompt tokens and
+decodes), beyond the shared op that runs once over every row. ``helix profile`` measures it.
+
+The profiles loaded for a cluster (:func:`load_profiles_for`) carry its ``tasks:``' memory: each
+GPU type's KV and layer limit less what the tasks' PETs take (:mod:`helix.task_memory`).
+
 Optional context cost (absent = decode cost does not depend on context): the decode curve was
 measured with every request holding ``decode_context_tokens`` of context;
 ``decode_ms_per_context_token`` is what one layer pays more per decoding request for every
@@ -73,6 +81,8 @@ from helix.errors import ConfigError, InfeasiblePlanError
 from helix.loading import load_model
 from helix.perf_model import CostCurve, NodeCurves
 from helix.spec import ClusterSpec, NodeSpec
+from helix.task_memory import task_memory, with_task_memory
+from helix.tasks import PETTypeName
 
 AZURE_MEAN_PROMPT_TOKENS = 763
 AZURE_MEAN_OUTPUT_TOKENS = 232
@@ -134,6 +144,9 @@ class ThroughputProfile(_Strict):
     decode_ms_per_context_token: float | None = Field(
         default=None, ge=0, description="ms one layer pays more per decoding request per context token beyond that"
     )
+    pet_ms_per_layer: dict[PETTypeName, Curve] | None = Field(
+        default=None, description="per PET type: [rows of one task in a step, ms it adds to ONE layer]; absent: 0"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ThroughputProfile:
@@ -193,6 +206,7 @@ class ThroughputProfile(_Strict):
             head=CostCurve(self.head_ms) if self.head_ms else None,
             context_ref_tokens=self.decode_context_tokens or 0.0,
             ms_per_context_token=self.decode_ms_per_context_token or 0.0,
+            pet={t: CostCurve(c) for t, c in self.pet_ms_per_layer.items()} if self.pet_ms_per_layer else None,
         )
 
     def tok_s_table(self, model: ModelProfile) -> list[float]:
@@ -305,6 +319,7 @@ def load_profiles_for(cluster: ClusterSpec) -> ProfileSet:
     merged = ProfileSet()
     for path in cluster.profile_paths():
         merged = merged.merged(load_profile_file(path))
+    merged = with_task_memory(merged, cluster)
     check_profiles(cluster, merged)
     return merged
 
@@ -352,6 +367,7 @@ def check_profiles(cluster: ClusterSpec, profiles: ProfileSet) -> None:
 def layer_limits(cluster: ClusterSpec, profiles: ProfileSet) -> list[str]:
     """One line per node kind (GPU type and node cap): how many layers each node holds and why."""
     model = profiles.models[cluster.model]
+    pets = task_memory(cluster, model.num_layers, model.dtype_bytes)
     kinds: dict[str, list[NodeSpec]] = {}
     for node in cluster.nodes:
         kinds.setdefault(node.kind, []).append(node)
@@ -369,12 +385,14 @@ def layer_limits(cluster: ClusterSpec, profiles: ProfileSet) -> list[str]:
         kv = tp.kv_capacity_tokens_by_layers
         if kv:
             # the KV list's memory: entries next to one layer plus that layer's weights
-            usable = kv[0] * model.kv_bytes_per_token_per_layer + model.layer_weight_bytes
+            usable = kv[0] * model.kv_bytes_per_token_per_layer + model.layer_weight_bytes + (pets.held(1) if pets else 0)
             weights_only = int(usable // model.layer_weight_bytes)
             kv_left = kv[held - 1] * model.kv_bytes_per_token_per_layer
             why += (f"; its {usable / 1e9:.1f} GB for weights + KV hold the weights alone of {weights_only} layers "
                     f"({model.layer_weight_bytes / 1e9:.2f} GB each); with {held} it keeps {kv_left / 1e9:.1f} GB "
                     f"for KV ({kv[held - 1] / held:,.0f} tokens per layer)")  # fmt: skip
+            if pets:
+                why += f", after the {pets.tasks} tasks' PETs ({pets.held(held) / 1e9:.2f} GB of {held} layers)"
         else:
             why += f" ({profiles.gpus[node.gpu].vram_gb:g} GB VRAM; no kv_capacity_tokens_by_layers)"
         out.append(f"{head}: {why}")

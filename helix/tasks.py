@@ -35,6 +35,8 @@ PET_TYPES = ("lora", "adapter", "bitfit", "diff", "mask")
 PETTypeName = Literal["lora", "adapter", "bitfit", "diff", "mask"]
 M = TypeVar("M", bound=BaseModel)
 TASK_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$"  # what a client may put in "model"
+MAX_DIFF_DENSITY = 0.01  # a Diff-Pruning delta is >= 99 % zeros (PetS's default: 99.5 %)
+MAX_MASK_COMPLEMENT_DENSITY = 0.05  # a mask zeroes at most 5 % of a weight (PetS's MaskBert: 95 % sparse)
 
 
 class TaskSpec(BaseModel):

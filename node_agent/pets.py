@@ -57,6 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from helix.errors import PETError
+from helix.tasks import MAX_DIFF_DENSITY, MAX_MASK_COMPLEMENT_DENSITY
 from node_agent.config import ModelConfig
 
 ATTENTION_MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
@@ -65,8 +66,6 @@ LINEAR_MODULES = ATTENTION_MODULES + MLP_MODULES
 NORMS = ("input_layernorm", "post_attention_layernorm")
 ADAPTER_PLACES = ("attn_adapter", "mlp_adapter")  # after the attention block / after the MLP
 FINAL_NORM_BIAS, LM_HEAD_BIAS = "model.norm.bias", "lm_head.bias"
-MAX_DIFF_DENSITY = 0.01  # a Diff-Pruning delta is >= 99 % zeros (PetS's default: 99.5 %)
-MAX_MASK_COMPLEMENT_DENSITY = 0.05  # a mask zeroes at most 5 % of a weight (PetS's MaskBert: 95 % sparse)
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": F.relu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "silu": F.silu, "swish": F.silu, "tanh": torch.tanh,

@@ -13,7 +13,10 @@ inner loops never touch pydantic objects:
   the latency curves when the profile has both per-layer ones (``curves``, read by
   :mod:`helix.perf_model`) and the batch limits of one iteration;
 * per directed link: bandwidth (``links``) and latency; the coordinator's NIC; the bytes of a
-  token id and of one token's activations.
+  token id and of one token's activations;
+* the cluster's fine-tuned tasks (``task_mix``: PET type -> tasks of it, from the cluster file's
+  ``tasks:``), whose per-task cost the serving model prices (their memory is already out of the
+  profiles' KV and layer limits: :mod:`helix.task_memory`).
 
 ``coverage`` is the network-free relaxation used throughout: the tokens/s each layer gets from
 the nodes holding it. With fast links and partial hand-offs the exact max flow equals its
@@ -27,7 +30,7 @@ paper's link pruning) derive smaller problems.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from helix.domain import Placement
@@ -35,6 +38,7 @@ from helix.errors import ConfigError
 from helix.perf_model import NodeCurves
 from helix.profile import ModelProfile, ProfileSet, ThroughputProfile, node_max_layers
 from helix.spec import ClusterSpec
+from helix.task_memory import task_memory
 from helix.units import link_tokens_per_s
 
 V = TypeVar("V")
@@ -96,6 +100,7 @@ class CapacityModel:
     token_bytes: int
     activation_bytes: int
     nic_gbps: float | None
+    task_mix: dict[str, int] = field(default_factory=dict)  # PET type -> the cluster's tasks of it; empty: none
 
     @classmethod
     def build(cls, cluster: ClusterSpec, profiles: ProfileSet) -> CapacityModel:
@@ -116,6 +121,7 @@ class CapacityModel:
         resolved = cluster.resolved_links()
         nodes = [n.id for n in cluster.nodes]
         kind_of = {n.id: n.kind for n in cluster.nodes}
+        tasks = task_memory(cluster, model.num_layers, model.dtype_bytes)
         return cls(
             coordinator=cluster.coordinator.id,
             num_layers=model.num_layers,
@@ -132,6 +138,7 @@ class CapacityModel:
             token_bytes=model.token_bytes,
             activation_bytes=model.activation_bytes_per_token,
             nic_gbps=cluster.coordinator.nic_gbps,
+            task_mix=dict(tasks.pet_types) if tasks is not None else {},
         )
 
     # -- nodes and kinds ---------------------------------------------------------------------

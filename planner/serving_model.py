@@ -16,10 +16,12 @@ output tokens per request (Azure conversation trace means: 763 / 232):
   several steps above the decode limits (requests; contexts summed <= decode_max x 1000) and
   with prompts beyond ``prompt_max_tokens // 2048`` per iteration (A100 3, L4 and T4 1) in
   prompt-only iterations, plus the host copy of what the node received (activations, or
-  token ids on a first stage, at 4 then 5 GB/s) and the profile's optional per-step, head and
-  context costs. The visit v_i = t_i + ``wait_share`` x E[T^2] / 2 E[T]: a decode waits for
-  part of the lumpy iteration in progress (prompts come whole, Poisson, of the workload's
-  length spread). Without latency curves: t_i = b / T_i(k_i).
+  token ids on a first stage, at 4 then 5 GB/s) and the profile's optional per-step, head,
+  context and per-task costs (the tasks a batch touches on average, each request on one of
+  the workload's task mix: :func:`helix.perf_model.expected_tasks`). The visit
+  v_i = t_i + ``wait_share`` x E[T^2] / 2 E[T]: a decode waits for part of the lumpy
+  iteration in progress (prompts come whole, Poisson, of the workload's length spread).
+  Without latency curves: t_i = b / T_i(k_i).
   Amortised prefill adds  pre_p / D  with pre_p = sum_i (l_ip * prefill_ms_i(P) + its host
   copy) + latencies.
 * The batch b_i a node sees: requests move in convoys that forks split
@@ -53,7 +55,7 @@ import math
 from dataclasses import dataclass, field
 
 from helix.domain import Placement
-from helix.perf_model import host_copy_s_per_byte, prompts_per_iteration
+from helix.perf_model import TaskGroup, expected_tasks, host_copy_s_per_byte, prompts_per_iteration
 from planner.budget import Deadline
 from planner.capacity import CapacityModel
 from planner.serving_lp import binding, kv_fill, requests_lp
@@ -83,6 +85,7 @@ class ServingModel:
         self.w = workload or Workload()
         self._prefill: dict[tuple[str, int, bool], float] = {}
         self._copy_s_per_byte = host_copy_s_per_byte(self.w.host_copy_gb_per_s)
+        self.task_mix = cap.task_mix if self.w.task_mix is None else self.w.task_mix
 
     # per-node timing ----------------------------------------------------------------
 
@@ -117,11 +120,20 @@ class ServingModel:
         prompt_ms = layers_run * g.curves.prefill.at(w.prompt_tokens) / w.prompt_tokens if w.prompt_tokens > 0 else 0.0
         # (a zero-layer span carrying the riding tokens: the per-step cost is by all the batch's tokens)
         spans = ((layers_run, 0.0, per_step, context), (0, riding, per_step, context))
-        ms = steps * (g.curves.iteration_ms(spans, sampled=per_step, head_share=float(last)) + riding * prompt_ms)
+        tasks = self.tasks(per_step + riding / max(w.prompt_tokens, 1.0), per_step + riding)
+        ms = steps * (g.curves.iteration_ms(spans, sampled=per_step, head_share=float(last), tasks=tasks)
+                      + riding * prompt_ms)  # fmt: skip
         if overflow:
             ms += overflow / ride_max * g.curves.iteration_ms(((layers_run, ride_max, 0.0, 0.0),), sampled=1.0,
-                                                              head_share=float(last))  # fmt: skip
+                                                              head_share=float(last),
+                                                              tasks=self.tasks(ride_max / max(w.prompt_tokens, 1.0),
+                                                                               ride_max))  # fmt: skip
         return ms / 1000.0
+
+    def tasks(self, requests: float, rows: float) -> tuple[list[TaskGroup], ...]:
+        """The fine-tuned tasks a step of ``requests`` (``rows`` in all) touches on average, as the
+        one span's tasks of :meth:`helix.perf_model.NodeCurves.iteration_ms`; () without a task mix."""
+        return (expected_tasks(self.task_mix, requests, rows),) if self.task_mix else ()
 
     def step_s(self, node: str, layers_run: int, batch: float, last: bool, first: bool, alone: bool) -> float:
         """:meth:`decode_s` plus the host copy of what the node received for it: every decode's
@@ -178,7 +190,8 @@ class ServingModel:
         g = self.cap.kind(node)
         if g.curves is not None:  # one prompt alone in an iteration
             span = (layers_run, self.w.prompt_tokens, 0.0, 0.0)
-            return g.curves.iteration_ms((span,), sampled=1.0, head_share=float(last)) / 1000.0
+            tasks = self.tasks(1.0, self.w.prompt_tokens)
+            return g.curves.iteration_ms((span,), sampled=1.0, head_share=float(last), tasks=tasks) / 1000.0
         return self.w.prompt_tokens / g.tok_s[layers_run - 1]
 
     def link_s(self, a: str, b: str) -> float:

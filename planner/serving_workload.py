@@ -39,3 +39,6 @@ class Workload:
     prompt_slot_tokens: int | None = PROMPT_SLOT_TOKENS
     decode_context_per_slot: float | None = DECODE_CONTEXT_PER_SLOT
     host_copy_gb_per_s: tuple[float, ...] = HOST_COPY_GB_PER_S
+    # fine-tuned tasks (docs/pets.md): PET type -> tasks the requests are spread over evenly, each request on one;
+    # None: the cluster file's tasks (CapacityModel.task_mix); {}: every request on the base model
+    task_mix: dict[str, int] | None = None

@@ -128,6 +128,8 @@ def _throughput(measured: dict[str, Any], free_bytes: float, reserve: KvReserve)
         head_ms=[tuple(p) for p in measured["head_ms"]] if "head_ms" in measured else None,
         decode_context_tokens=measured.get("decode_context_tokens"),
         decode_ms_per_context_token=measured.get("decode_ms_per_context_token"),
+        pet_ms_per_layer={t: [tuple(p) for p in c] for t, c in measured["pet_ms_per_layer"].items()}
+        if measured.get("pet_ms_per_layer") else None,
     )
 
 

@@ -11,7 +11,10 @@ each exactly as an agent does, with ``add_request`` / ``push_hidden`` / ``step``
 * **context**: on the longer middle stage, ``context_batch`` requests decoding at
   ``context_tokens`` and as many at ``long_context_tokens``: the cost of context (attention
   reads every cached key and value) per layer, per request and per token,
-  ``decode_ms_per_context_token``.
+  ``decode_ms_per_context_token``;
+* **tasks**: on the longer middle stage, what each fine-tuned task a step touches adds to a
+  layer, per PET type of ``pet_types`` and by the task's rows, ``pet_ms_per_layer``
+  (:mod:`profiler.pet_costs`; torch backend only).
 
 Every point is the median of ``repeats`` steps, and the points are measured in turns (a round
 of every point, ``repeats`` times): see :func:`_step_curves`.
@@ -41,6 +44,7 @@ from typing import Any
 from helix.errors import ConfigError
 from profiler.device import last_level_cache_bytes, probe_stage_layers, step_clock
 from profiler.kv_capacity import DEFAULT_MIN_KV_TOKENS_PER_LAYER
+from profiler.pet_costs import measure_pet_costs
 from profiler.step_costs import layer_slopes, with_step_costs
 
 log = logging.getLogger(__name__)
@@ -50,7 +54,11 @@ DEFAULT_DECODE_BATCHES = (1, 2, 4, 8, 16, 32)
 DEFAULT_CONTEXT_TOKENS = 64
 DEFAULT_LONG_CONTEXT_TOKENS = 512  # far enough from context_tokens that the growth stands out of the noise
 DEFAULT_CONTEXT_BATCH = 8
-MEASURE_VERSION = 8  # bump when what measure_device returns changes (invalidates caches)
+DEFAULT_PET_TYPES = ("lora", "adapter", "bitfit", "diff", "mask")
+DEFAULT_PET_ROWS = (1, 16)  # a decode's one row, a piece of a prompt
+DEFAULT_PET_TASKS = 8  # tasks touched in each timed step
+DEFAULT_PET_REPEATS = 5  # rounds of the task probes (five types: 20 steps a round)
+MEASURE_VERSION = 9  # bump when what measure_device returns changes (invalidates caches)
 
 Progress = Callable[[str], None]
 
@@ -68,6 +76,10 @@ class MeasureSettings:
     repeats: int = 9
     min_kv_tokens_per_layer: int = DEFAULT_MIN_KV_TOKENS_PER_LAYER
     backend: str = "torch"  # what runs the layers: "torch" or "vllm" (node_agent.backends)
+    pet_types: tuple[str, ...] = DEFAULT_PET_TYPES  # fine-tuned tasks' costs to measure (torch only); (): none
+    pet_rows: tuple[int, ...] = DEFAULT_PET_ROWS
+    pet_tasks: int = DEFAULT_PET_TASKS
+    pet_repeats: int = DEFAULT_PET_REPEATS
 
     def key(self) -> dict[str, Any]:
         return {
@@ -80,6 +92,7 @@ class MeasureSettings:
             "long_context_tokens": self.long_context_tokens,
             "context_batch": self.context_batch,
             "repeats": self.repeats,
+            "pets": [list(self.pet_types), list(self.pet_rows), self.pet_tasks, self.pet_repeats],
         }
 
 
@@ -269,13 +282,15 @@ def measure_device(
     if s.long_context_tokens <= s.context_tokens:
         raise ConfigError(f"long_context_tokens ({s.long_context_tokens}) must exceed context_tokens ({s.context_tokens})",
                           field="long_context_tokens")  # fmt: skip
-    resident = max(s.decode_batches) + 2 * s.context_batch + 1  # the decode requests and one prefill probe
+    resident = max(max(s.decode_batches) + 2 * s.context_batch + 1, s.pet_tasks)  # decodes + a prefill, or tasks
+    pet_tokens = s.pet_tasks * max(s.pet_rows, default=0)
     sched = SchedulerConfig(max_batch_size=resident,
-                            token_budget=max(max(s.prefill_tokens), resident, s.long_context_tokens),
+                            token_budget=max(max(s.prefill_tokens), resident, s.long_context_tokens, pet_tokens),
                             chunk_size=None)  # fmt: skip
     runs = decode_runs(s)
     kv_tokens = (max(s.decode_batches) * (s.context_tokens + runs) + s.context_batch * (s.context_tokens + runs)
-                 + s.context_batch * (s.long_context_tokens + runs) + max(s.prefill_tokens) + runs + 1024)  # fmt: skip
+                 + s.context_batch * (s.long_context_tokens + runs) + max(*s.prefill_tokens, pet_tokens) + runs
+                 + 1024)  # fmt: skip
     engines = {
         "short": StageEngine(model_dir, 1, 1 + short, kv_capacity_tokens=kv_tokens, scheduler=sched, backend=backend),
         "long": StageEngine(model_dir, 1, 1 + layers, kv_capacity_tokens=kv_tokens, scheduler=sched, backend=backend),
@@ -286,6 +301,8 @@ def measure_device(
         loaded()
     # context is priced on the longer stage alone: its cost grows with the layers, the fixed part does not
     curves = _step_curves(engines, s, note, context_labels=("long",))
+    pet_ms = measure_pet_costs(engines["long"], s.pet_types if backend.name == "torch" else (), s.pet_rows,
+                               s.pet_tasks, s.pet_repeats, step_clock(str(engines["long"].model.device)), note)  # fmt: skip
     del engines
     one, mid, last = curves["short"], curves["long"], curves["last"]
     pre_one, dec_one, pre_mid, dec_mid, pre_last, dec_last = (one.prefill, one.decode, mid.prefill, mid.decode,
@@ -313,6 +330,7 @@ def measure_device(
         # the mean context the timed decode steps attended over (each step adds a token)
         "decode_context_tokens": round(mid.decode_context_tokens + 1, 2),
         "decode_ms_per_context_token": round(ctx_ms, 7),
+        **({"pet_ms_per_layer": pet_ms} if pet_ms else {}),
         "raw": {"prefill_layer_ms": pre_layer, "prefill_head_ms": pre_head,
                 "decode_layer_ms": dec_layer, "decode_head_ms": dec_head,
                 "prefill_fixed_ms": pre_fixed, "decode_fixed_ms": dec_fixed, "probe_layers": [short, layers],

@@ -105,9 +105,11 @@ def combine(measured: list[dict[str, Any]]) -> dict[str, Any]:
         out.pop("step_overhead_ms", None)
         out.pop("head_ms", None)
     for curve in curves:
-        xs = [p[0] for p in measured[0][curve]]
-        ys = [statistics.median(p[1] for p in points) for points in zip(*(m[curve] for m in measured), strict=True)]
-        out[curve] = [[x, round(y, 4)] for x, y in zip(xs, non_decreasing(ys), strict=True)]
+        out[curve] = _median_curve([m[curve] for m in measured], 4)
+    pets = [m.get("pet_ms_per_layer") or {} for m in measured]
+    out.pop("pet_ms_per_layer", None)
+    if pet_types := [t for t in pets[0] if all(t in p for p in pets)]:  # the types every node measured
+        out["pet_ms_per_layer"] = {t: _median_curve([p[t] for p in pets], 6) for t in pet_types}
     if all("decode_ms_per_context_token" in m for m in measured):
         out["decode_ms_per_context_token"] = round(statistics.median(m["decode_ms_per_context_token"] for m in measured), 7)
     else:
@@ -116,6 +118,13 @@ def combine(measured: list[dict[str, Any]]) -> dict[str, Any]:
     out.pop("raw", None)
     out["nodes_combined"] = len(measured)
     return out
+
+
+def _median_curve(curves: list[list[list[float]]], digits: int) -> list[list[float]]:
+    """One curve from several nodes' of the same points: the point-by-point median, made non-decreasing."""
+    xs = [p[0] for p in curves[0]]
+    ys = [statistics.median(p[1] for p in points) for points in zip(*curves, strict=True)]
+    return [[x, round(y, digits)] for x, y in zip(xs, non_decreasing(ys), strict=True)]
 
 
 def main(argv: list[str] | None = None) -> int:

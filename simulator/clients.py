@@ -4,9 +4,9 @@ Every request is a :class:`router.request.Request` handed to
 :meth:`router.core.CoordinatorCore.add_request`, as the HTTP layer hands them: its prompt of
 the sampled length, ``max_tokens`` its sampled output length (the simulated model never samples
 a stop token, so every request ends at ``max_tokens``), no stop strings and no text
-(:class:`router.request.NoText`). The core queues a request while every route is masked; in the
-simulator its queue has no bound and no deadline (the simulator measures what waiting costs
-instead of refusing with 429).
+(:class:`router.request.NoText`), and, with a task mix (:mod:`simulator.tasks`), a task drawn
+from it. The core queues a request while every route is masked; in the simulator its queue has
+no bound and no deadline (the simulator measures what waiting costs instead of refusing with 429).
 
 * **Online**: each request of the arrival process (Poisson or Gamma, :mod:`simulator.workload`)
   or of the trace is sent when it arrives.
@@ -38,6 +38,7 @@ from router.request import GenerationRequest, NoText, Request, RequestOutput
 from router.stops import StopMatcher
 from simulator.nodes import TOKEN
 from simulator.results import SimConfig
+from simulator.tasks import TaskMix
 from simulator.workload import LengthSampler, RequestSpec, arrival_times
 
 
@@ -54,8 +55,8 @@ class Clients:
     """The workload's side of one run (see the module doc)."""
 
     def __init__(self, config: SimConfig, core: CoordinatorCore, placement: Mapping[str, tuple[int, int]],
-                 num_layers: int, mean_tokens: float) -> None:  # fmt: skip
-        self.cfg, self.core = config, core
+                 num_layers: int, mean_tokens: float, tasks: TaskMix | None = None) -> None:  # fmt: skip
+        self.cfg, self.core, self.tasks = config, core, tasks
         self.placement, self.num_layers, self.mean_tokens = dict(placement), num_layers, mean_tokens
         self.lengths = LengthSampler(config.lengths, seed=config.seed)
         self.window = (config.warmup_s, config.warmup_s + config.duration_s)
@@ -95,7 +96,8 @@ class Clients:
         as failed)."""
         rid = str(self.issued)
         self.issued += 1
-        params = GenerationRequest(prompt_ids=[TOKEN] * spec.prompt_tokens, max_tokens=spec.output_tokens)
+        params = GenerationRequest(prompt_ids=[TOKEN] * spec.prompt_tokens, max_tokens=spec.output_tokens,
+                                   task=self.tasks.draw() if self.tasks is not None else "")
         self.timing[rid] = Timing(spec.arrival_s, spec.prompt_tokens)
         try:
             self.core.add_request(Request(rid, params, spec.arrival_s, NoText(), StopMatcher(())), now)

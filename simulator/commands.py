@@ -44,6 +44,9 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--legacy-mechanisms", action="store_true",
                    help="turn off the paper simulator's mechanisms adopted in issue 21 (a lone decode priced as two, "
                         "prompt-count and decode-context limits, host copy per received token)")
+    p.add_argument("--tasks", metavar="MIX",
+                   help="fine-tuned tasks every request is drawn from evenly: N (N LoRA tasks) or TYPE:N,... (e.g. "
+                        "lora:32,adapter:8); 0: the base model only; default: the cluster file's tasks (docs/pets.md)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
@@ -59,6 +62,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     from planner.api import load_for_evaluation
     from simulator.engine import SimConfig, simulate
     from simulator.results import LEGACY_MECHANISMS
+    from simulator.tasks import parse_task_mix
     from simulator.workload import load_trace
 
     if args.duration <= 0 or args.warmup < 0:
@@ -79,6 +83,7 @@ def run_simulate(args: argparse.Namespace) -> int:
                     watermark=args.watermark, max_inflight=args.max_inflight, host_cores=args.host_cores,
                     prefill_chunk_tokens=args.chunk_tokens, flows=args.flows,
                     per_request_messages=args.per_request_messages,
+                    task_mix=parse_task_mix(args.tasks) if args.tasks is not None else None,
                     **(LEGACY_MECHANISMS if args.legacy_mechanisms else {}))  # type: ignore[arg-type]
     total = args.warmup + args.duration
     if args.json:

@@ -48,6 +48,7 @@ from simulator.links import Links
 from simulator.nodes import NodeInput, SimNode, build_nodes
 from simulator.results import SimConfig, SimResult, percentiles
 from simulator.routing import judge_router, make_router
+from simulator.tasks import TaskMix
 
 __all__ = ["SimConfig", "SimResult", "Simulation", "simulate"]
 
@@ -78,8 +79,10 @@ class Simulation:
             base = Router.from_plan(plan, cluster, profiles, watermark=config.watermark,
                                     expected_output_tokens=config.expected_output_tokens)  # fmt: skip
         self.placement = dict(plan.placement)
+        tasks = TaskMix.resolve(config.task_mix, cluster, model, config.seed)
         self.nodes: dict[str, SimNode] = build_nodes(cluster, profiles, plan, config,
-                                                     {n: kv.capacity for n, kv in base.kv.nodes.items()})  # fmt: skip
+                                                     {n: kv.capacity for n, kv in base.kv.nodes.items()},
+                                                     tasks.pet_of if tasks is not None else None)  # fmt: skip
         initial = {n.id: n.k * n.curves.decode_ms(1) / 1000.0 for n in self.nodes.values()}
         router, swarm = make_router(config.router, base, seed=config.seed, queue_len=lambda n: self.nodes[n].queued(),
                                     swarm_initial_s=initial)  # fmt: skip
@@ -91,7 +94,7 @@ class Simulation:
         self.links = Links(cluster)
         self.mean_tokens = config.expected_output_tokens + 763.0
         self.max_flow = plan.max_flow_tok_s or 1.0
-        self.clients = Clients(config, self.core, plan.placement, self.num_layers, self.mean_tokens)
+        self.clients = Clients(config, self.core, plan.placement, self.num_layers, self.mean_tokens, tasks)
         # nodes sharing a host's cores (host_cores): host -> its running iterations (processor sharing)
         self.host_of = {nid: _host(cluster.node(nid).address) or nid for nid in self.nodes}
         self.hosts = {h: SharedHost(config.host_cores or 1) for h in self.host_of.values()}

@@ -11,7 +11,8 @@ prompt + max_tokens of KV and never preempts; a request that could never fit is 
 feeds the inputs as they arrive, runs the scheduler's batch as one iteration, sends each
 request's activations on to its next stage (a chunk as soon as it ran), samples on the last
 stage (ending a request by :func:`helix.domain.token_finish`, the agent's rule) and, holding the
-whole model for a request, feeds the sampled token to its own next step.
+whole model for a request, feeds the sampled token to its own next step. A request's fine-tuned
+task (ADMIT's ``task``) adds its PET type's cost to the layers it runs (:mod:`simulator.tasks`).
 
 Two things differ from the agent on purpose (docs/simulator.md, "Where the nodes differ from the
 agents"): :class:`IterationLimits`, the per-iteration limits of the paper's vLLM nodes, trim the
@@ -36,6 +37,7 @@ from helix.spec import ClusterSpec
 from node_agent.kv_account import KVAccount
 from node_agent.scheduler import Batch, Scheduler, SchedulerConfig
 from simulator.results import SimConfig
+from simulator.tasks import span_tasks
 
 TOKEN = 0  # what every simulated sample yields: only how many tokens there are matters
 UNBOUNDED_KV_TOKENS = 2**40  # a node whose profile gives no KV capacity
@@ -104,10 +106,12 @@ class StepCosts:
 class Visit:
     """One request on one node (the agent's route): its pipeline, this node's hop, what it generated here."""
 
-    __slots__ = ("stages", "hop", "entry", "prompt", "max_tokens", "last", "loops", "next_node", "generated", "t_in")
+    __slots__ = ("stages", "hop", "entry", "prompt", "max_tokens", "last", "loops", "next_node", "generated", "t_in",
+                 "task")
 
-    def __init__(self, stages: tuple[Stage, ...], hop: int, prompt: int, max_tokens: int, now: float) -> None:
-        self.stages, self.hop, self.prompt, self.max_tokens = stages, hop, prompt, max_tokens
+    def __init__(self, stages: tuple[Stage, ...], hop: int, prompt: int, max_tokens: int, now: float,
+                 task: str = "") -> None:  # fmt: skip
+        self.stages, self.hop, self.prompt, self.max_tokens, self.task = stages, hop, prompt, max_tokens, task
         self.entry = stages[hop].layer_start
         self.last = hop == len(stages) - 1
         self.loops = len(stages) == 1  # holds the whole model for it: samples feed its own next step
@@ -133,11 +137,13 @@ class SimNode:
 
     __slots__ = ("id", "start", "end", "k", "curves", "head_share", "kv_tokens", "scheduler", "limits", "costs",
                  "visits", "cancelled", "batch", "busy", "waking", "version", "remaining", "busy_s", "iters", "used",
-                 "used_peak", "kv_waits", "_blocked", "_inputs")
+                 "used_peak", "kv_waits", "_blocked", "_inputs", "task_types")
 
     def __init__(self, nid: str, start: int, end: int, curves: NodeCurves, *, last: bool, kv_tokens: int,
-                 scheduler: SchedulerConfig, limits: IterationLimits, costs: StepCosts) -> None:  # fmt: skip
+                 scheduler: SchedulerConfig, limits: IterationLimits, costs: StepCosts,
+                 task_types: Mapping[str, str] | None = None) -> None:  # fmt: skip
         self.id, self.start, self.end, self.k, self.curves = nid, start, end, end - start, curves
+        self.task_types = task_types or {}  # task -> PET type (simulator.tasks.TaskMix.pet_of); empty: no task costs
         self.head_share = 1.0 if last else 0.0  # the head is paid on the stage holding the model's last layer
         self.kv_tokens = kv_tokens
         self.scheduler = Scheduler(scheduler, KVAccount(kv_tokens))
@@ -169,7 +175,8 @@ class SimNode:
                     if m.wire_id in self.cancelled:
                         continue
                     s = m.sender
-                    visit = self._add(m.wire_id, Visit(s.stages, s.hop + 1, s.prompt, s.max_tokens, now), 0, refused)
+                    visit = self._add(m.wire_id, Visit(s.stages, s.hop + 1, s.prompt, s.max_tokens, now, s.task), 0,
+                                      refused)  # fmt: skip
                     if visit is None:
                         continue
                 visit.t_in = now
@@ -183,7 +190,8 @@ class SimNode:
                     self._inputs += 1
             elif type(m) is wire.Admit:
                 stages = tuple(ref.stage for ref in m.pipeline)
-                self._add(m.request_id, Visit(stages, 0, len(m.prompt), m.max_tokens, now), len(m.prompt), refused)
+                self._add(m.request_id, Visit(stages, 0, len(m.prompt), m.max_tokens, now, m.task), len(m.prompt),
+                          refused)  # fmt: skip
             elif type(m) is wire.Cancel:
                 if m.request_id in visits:
                     self._forget(m.request_id)
@@ -245,6 +253,7 @@ class SimNode:
     def _price(self, batch: Batch, limits: IterationLimits | None) -> float | None:
         """What ``batch`` costs in seconds; None when it passes ``limits``."""
         by_start: dict[int, list[int]] = {}
+        task_rows: dict[int, dict[str, int]] | None = {} if self.task_types else None  # start -> task -> rows
         from_nodes = from_coord = sampled = decodes = context = prompts = prompt_tokens = 0
         visits = self.visits
         for w in batch.work:
@@ -252,6 +261,9 @@ class SimNode:
             acc = by_start.get(v.entry)
             if acc is None:
                 acc = by_start[v.entry] = [0, 0, 0]
+            if task_rows is not None and v.task:
+                rows = task_rows.setdefault(v.entry, {})
+                rows[v.task] = rows.get(v.task, 0) + w.num_tokens
             if w.is_prefill:
                 acc[0] += w.num_tokens
                 received = w.num_tokens
@@ -273,7 +285,7 @@ class SimNode:
             return None
         c = self.costs
         copy = (from_nodes * c.act_bytes + from_coord * c.tok_bytes) * c.copy_s_per_byte
-        return (self.iteration_ms(by_start, sampled) + c.overhead_ms) / 1000.0 + copy
+        return (self.iteration_ms(by_start, sampled, task_rows) + c.overhead_ms) / 1000.0 + copy
 
     def complete(self, now: float, observe: Observe | None) -> tuple[dict[str, list[Hidden]], list[wire.TokenOut]]:
         """The running iteration ended: account it in the scheduler; the activations to send on (by next
@@ -317,14 +329,17 @@ class SimNode:
         self._inputs += len(looped)
         return forwards, tokens
 
-    def iteration_ms(self, by_start: dict[int, list[int]] | dict[int, tuple[int, int, int]], sampled: int) -> float:
+    def iteration_ms(self, by_start: dict[int, list[int]] | dict[int, tuple[int, int, int]], sampled: int,
+                     task_rows: Mapping[int, Mapping[str, int]] | None = None) -> float:  # fmt: skip
         """What one iteration costs here (:meth:`helix.perf_model.NodeCurves.iteration_ms`):
         ``by_start`` maps the first layer requests entered at to their (prefill tokens, decoding
         requests, those requests' context tokens); a layer runs the tokens of every request that
-        entered at or before it. The head is priced by the ``sampled`` sequences."""
+        entered at or before it. The head is priced by the ``sampled`` sequences; ``task_rows``
+        gives, by start, the rows of each fine-tuned task among those requests."""
         if len(by_start) == 1:
             start, (ptoks, dcount, ctx) = next(iter(by_start.items()))
             spans: list[Span] = [(self.end - start, ptoks, dcount, ctx)]
+            starts = [start]
         else:
             spans = []
             ptoks = dcount = ctx = 0
@@ -334,7 +349,8 @@ class SimNode:
                 dcount += by_start[s][1]
                 ctx += by_start[s][2]
                 spans.append(((starts[i + 1] if i + 1 < len(starts) else self.end) - s, ptoks, dcount, ctx))
-        return self.curves.iteration_ms(spans, sampled=sampled, head_share=self.head_share)
+        tasks = span_tasks(task_rows, starts, self.task_types) if task_rows else ()
+        return self.curves.iteration_ms(spans, sampled=sampled, head_share=self.head_share, tasks=tasks)
 
     def kv_report(self) -> tuple[float, float, float]:
         """What the agent's heartbeat says, in KV entries (tokens x layers here): used, reserved, capacity."""
@@ -343,9 +359,10 @@ class SimNode:
 
 
 def build_nodes(cluster: ClusterSpec, profiles: ProfileSet, plan: Plan, config: SimConfig,
-                kv_entries: Mapping[str, float]) -> dict[str, SimNode]:  # fmt: skip
+                kv_entries: Mapping[str, float], task_types: Mapping[str, str] | None = None) -> dict[str, SimNode]:  # fmt: skip
     """One :class:`SimNode` per placed node: its profile's curves and limits, ``kv_entries`` of KV (tokens x
-    layers; absent: unbounded), the scheduler as ``config`` sets it."""
+    layers; absent: unbounded), the scheduler as ``config`` sets it, ``task_types`` (task -> PET type)
+    to price the fine-tuned tasks its requests run."""
     model = profiles.models[cluster.model]
     costs = StepCosts(config.iteration_overhead_ms, host_copy_s_per_byte(config.host_copy_gb_per_s),
                       model.activation_bytes_per_token, model.token_bytes)  # fmt: skip
@@ -375,5 +392,5 @@ def build_nodes(cluster: ClusterSpec, profiles: ProfileSet, plan: Plan, config: 
                                  None if per_slot is None else dmax * per_slot, config.prefill_chunk_tokens is not None)
         nodes[nid] = SimNode(nid, s, e, curves, last=e == model.num_layers, kv_tokens=kv_tokens,
                              scheduler=SchedulerConfig(running, budget, config.prefill_chunk_tokens),
-                             limits=limits, costs=costs)  # fmt: skip
+                             limits=limits, costs=costs, task_types=task_types)  # fmt: skip
     return nodes

@@ -55,6 +55,9 @@ class SimConfig:
     # the paper simulator's messages: one per request, back to back (an idle node starts on the first); off: one
     # message per next hop per batch, as an agent that gathers a burst before it steps receives it
     per_request_messages: bool = False
+    # fine-tuned tasks (simulator.tasks): PET type -> tasks every request is drawn from evenly (e.g. {"lora": 64});
+    # None: the cluster file's tasks; {}: every request on the base model
+    task_mix: dict[str, int] | None = None
 
     def check(self) -> None:
         """ConfigError naming the first setting out of range."""

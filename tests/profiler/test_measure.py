@@ -21,7 +21,7 @@ from profiler.measure import MeasureSettings
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "clusters" / "demo"
 QUICK = MeasureSettings(probe_layers=1, prefill_tokens=(8, 32), decode_batches=(1, 4), context_tokens=16, repeats=1,
-                        long_context_tokens=48, context_batch=2)
+                        long_context_tokens=48, context_batch=2, pet_rows=(1, 8), pet_tasks=4, pet_repeats=1)
 
 
 @pytest.fixture()
@@ -51,6 +51,9 @@ def test_profile_demo_cluster_writes_loadable_profiles_and_links(demo: Path) -> 
     assert tp.decode_context_tokens == expected_decode_context(QUICK)
     assert tp.decode_ms_per_context_token is not None and tp.decode_ms_per_context_token >= 0
     assert tp.max_layers == profiles.models[cluster.model].num_layers == 30
+    # what each fine-tuned task a step touches costs a layer, per PET type (profiler.pet_costs)
+    assert tp.pet_ms_per_layer is not None and set(tp.pet_ms_per_layer) == {"lora", "adapter", "bitfit", "diff", "mask"}
+    assert all([rows for rows, _ in c] == [1.0, 8.0] and all(ms >= 0 for _, ms in c) for c in tp.pet_ms_per_layer.values())
     table = tp.tok_s_table(profiles.models[cluster.model])
     assert len(table) == 30 and all(t > 0 for t in table)
     links = yaml.safe_load((demo.parent / "links-measured.yaml").read_text())["links"]

@@ -18,7 +18,7 @@ from profiler.measure import MeasureSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICK = MeasureSettings(probe_layers=1, prefill_tokens=(8,), decode_batches=(1, 2), context_tokens=8, repeats=1,
-                        long_context_tokens=24, context_batch=1)  # fmt: skip
+                        long_context_tokens=24, context_batch=1, pet_types=())  # fmt: skip
 
 
 def _git(repo: Path, *args: str) -> str:
