@@ -3,7 +3,8 @@
 :func:`bind_task` takes the layers ``[start, end)`` of a :class:`node_agent.pets.TaskPET` that a stage
 holds, checks them against the base model and lays them out for the stage's fused linears
 (:data:`STAGE_SITES`: ``qkv`` / ``o_proj`` / ``gate_up`` / ``down``, each module's parameters stacked
-the way the stage stacks its weights): a :class:`StageTask`. A :class:`SiteDelta` is one task's
+the way the stage stacks its weights): a :class:`StageTask`, every tensor of it a view of one buffer
+of its own. A :class:`SiteDelta` is one task's
 ``Δ(x) = x·A·B·s + x·Sᵀ + b`` on one fused linear and runs it on the task's rows; a :class:`Bottleneck`
 is a bound adapter. Running the ops of a step's tasks together is :mod:`node_agent.task_ops`.
 """
@@ -182,8 +183,58 @@ def bind_task(task_id: str, pet: TaskPET, config: ModelConfig, start: int, end: 
     task = StageTask(task_id, pet.pet_type, layers,
                      None if part.final_norm_bias is None else put(part.final_norm_bias),
                      None if part.lm_head_bias is None else put(part.lm_head_bias))  # fmt: skip
+    _pack(task)
     task.nbytes = sum(tensor_nbytes(t) for t in _stage_tensors(task))
     return task
+
+
+_ALIGN = 64  # bytes: each tensor of a packed task starts on a cache line
+
+
+def _pack(task: StageTask) -> None:
+    """Move every tensor of ``task`` into one buffer of its own (views of it, each 64-byte aligned).
+
+    A task is hundreds of small tensors; allocated one by one between the temporaries of reading and
+    binding it, they left the allocator's free memory in holes it could not give back (bench/pets.py (a)):
+    one allocation per task keeps a process's memory near the bytes its tasks hold.
+    """
+    sizes = [_aligned(p) for t in _stage_tensors(task) for p in _dense_parts(t)]
+    if not sizes:
+        return
+    buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=next(iter(_stage_tensors(task))).device)
+    cursor = 0
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        nonlocal cursor
+        if t.layout == torch.sparse_csr:
+            return torch.sparse_csr_tensor(move(t.crow_indices()), move(t.col_indices()), move(t.values()), t.shape,
+                                           check_invariants=False)  # checked when it was built
+        view = buffer[cursor:cursor + tensor_nbytes(t)].view(t.dtype).view(t.shape)
+        cursor += _aligned(t)
+        return view.copy_(t)
+
+    for delta in task.layers.values():
+        for site in delta.sites.values():
+            site.lora_a = None if site.lora_a is None else move(site.lora_a)
+            site.lora_b = tuple((ranks, cols, move(b), s) for ranks, cols, b, s in site.lora_b)
+            site.lora_bs = [b for _, _, b, _ in site.lora_b]
+            site.sparse = None if site.sparse is None else move(site.sparse)
+            site.bias = None if site.bias is None else move(site.bias)
+        delta.norm_bias = {n: move(t) for n, t in delta.norm_bias.items()}
+        delta.adapters = {place: Bottleneck(move(ad.down), move(ad.up),
+                                            None if ad.down_bias is None else move(ad.down_bias),
+                                            None if ad.up_bias is None else move(ad.up_bias), ad.activation)
+                          for place, ad in delta.adapters.items()}  # fmt: skip
+    task.final_norm_bias = None if task.final_norm_bias is None else move(task.final_norm_bias)
+    task.lm_head_bias = None if task.lm_head_bias is None else move(task.lm_head_bias)
+
+
+def _aligned(t: torch.Tensor) -> int:
+    return -(-tensor_nbytes(t) // _ALIGN) * _ALIGN
+
+
+def _dense_parts(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (t.crow_indices(), t.col_indices(), t.values()) if t.layout == torch.sparse_csr else (t,)
 
 
 def _bind_site(config: ModelConfig, layer: int, lp: LayerPET, modules: tuple[str, ...],

@@ -427,6 +427,31 @@ def test_one_task_op_on_scattered_rows_is_the_dense_delta(tiny: tuple[Path, Mode
     torch.testing.assert_close(spans[1:3], y[1:3] + x[1:3] @ delta_w.T + bias)
 
 
+def test_a_bound_task_lies_in_one_buffer_of_its_own(tiny: tuple[Path, ModelConfig]) -> None:
+    """Every tensor of a bound task (a sparse delta's indices and values too) is a view of one buffer
+    just the size of the task: no allocation per tensor, and nothing it was built from kept alive (a
+    sparse tensor's values() is a view whose base is the whole tensor; a CSR bound from it kept the
+    int64 COO it was converted from: 3x its own bytes, bench/pets.py (a))."""
+    model_dir, cfg = tiny
+    gen = torch.Generator().manual_seed(4)
+    diff = torch.randn(module_shape(cfg, "mlp.up_proj"), generator=gen)
+    diff *= torch.rand(diff.shape, generator=gen) < 0.005
+    pet = TaskPET.from_tensors("lora", random_lora(cfg, 1, 2, ("self_attn.q_proj", "self_attn.v_proj")))
+    pet.layers[1].diff["mlp.up_proj"] = diff.to_sparse().coalesce()  # the unified form: one task may hold both
+    task = stage_task.bind_task("t", pet, cfg, 0, 4)
+    parts = [p for t in stage_task._stage_tensors(task) for p in stage_task._dense_parts(t)]
+    storages = {p.untyped_storage().data_ptr() for p in parts}
+    assert len(parts) == 4 * 3 + 3 and len(storages) == 1  # per layer A and two B; the CSR's three
+    assert parts[0].untyped_storage().nbytes() <= task.nbytes + 64 * len(parts)
+    assert all(p.data_ptr() % 64 == 0 for p in parts)
+    engine = StageEngine(model_dir, kv_capacity_tokens=64)  # and it runs as before: the same as its unpacked delta
+    engine.add_task("t", pet)
+    x = torch.randn(3, cfg.hidden_size, generator=gen)
+    site = engine.tasks["t"].layers[1].sites["gate_up"]
+    want = x @ torch.cat([torch.zeros(module_shape(cfg, "mlp.gate_proj")), diff]).T
+    torch.testing.assert_close(site.delta(x), want)
+
+
 def test_the_batched_lora_kernel_equals_each_task_op(tiny: tuple[Path, ModelConfig],
                                                      monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """One ``lora_segments`` call per fused linear for all the tasks of a step (ranks 1 to 8, different
