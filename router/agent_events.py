@@ -2,9 +2,12 @@
 and what the transport (:class:`router.agents_io.AgentsIO`) reports about each agent.
 
 Besides the agents' own messages (``wire.Tokens`` from last stages, ``wire.Refused`` from any
-stage), the transport turns what it observes into events: an agent completed the handshake
-(:class:`AgentJoined`), its heartbeats stopped (:class:`AgentDied`), a message to it could not be
-sent (:class:`Unreachable`), and the shell folds the agents' KV heartbeats in (:class:`KVReported`).
+stage; on the control socket ``wire.Layers``, how a SET_LAYERS / RELEASE_LAYERS went, and
+``wire.Leaving``, the agent drains before it stops), the transport turns what it observes into
+events: an agent completed the handshake (:class:`AgentJoined`), its heartbeats stopped
+(:class:`AgentDied`; :class:`AgentLeft` when it had said LEAVING: a departure, not a crash), a
+message to it could not be sent (:class:`Unreachable`), and the shell folds the agents' KV
+heartbeats in (:class:`KVReported`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,13 @@ class AgentDied:
 
 
 @dataclass(frozen=True, slots=True)
+class AgentLeft:
+    """``node``'s agent said LEAVING, drained and stopped (its heartbeats stopped after LEAVING)."""
+
+    node: str
+
+
+@dataclass(frozen=True, slots=True)
 class Unreachable:
     """A message of attempt ``wire_id`` could not be sent to ``node`` (not connected, or not taking messages)."""
 
@@ -48,7 +58,8 @@ class KVReported:
     capacity: float
 
 
-AgentEvent = wire.Tokens | wire.Refused | AgentJoined | AgentDied | Unreachable | KVReported
+AgentEvent = (wire.Tokens | wire.Refused | wire.Layers | wire.Leaving | AgentJoined | AgentDied | AgentLeft | Unreachable
+              | KVReported)
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,8 +5,8 @@ socket of the coordinator:
 
 * one DEALER per agent to its control socket: the shared-secret handshake
   (:class:`helix.handshake.CoordinatorHandshake`: HELLO -> CHALLENGE -> AUTH -> WELCOME, both sides
-  prove the secret), then ADMIT / STEP / CANCEL and LOAD_TASK / UNLOAD_TASK out, HEARTBEATs and
-  TASK_STATUS in;
+  prove the secret), then ADMIT / STEP / CANCEL, LOAD_TASK / UNLOAD_TASK and SET_LAYERS /
+  RELEASE_LAYERS out, HEARTBEATs, TASK_STATUS, LAYERS and LEAVING in;
 * one PULL (the data plane's sink) where last stages push TOKENS and any stage pushes REFUSED.
 
 With ``curve`` (the coordinator's keys and the agents', :func:`helix.keys.coordinator_keys`) every one of these
@@ -15,11 +15,15 @@ key, the sink lets in only the agents' keys, and refused handshakes are logged.
 
 It is a pipe: it knows no requests. :meth:`AgentsIO.send` delivers the messages the coordinator core
 (:mod:`router.core`, through :mod:`router.driver`) decided on; everything the agents say comes back
-as one event stream (``on_event``): ``wire.Tokens`` and ``wire.Refused`` as they arrive,
-:class:`~router.agent_events.AgentJoined` after a handshake, :class:`~router.agent_events.AgentDied`
-when an agent's heartbeats stop for ``dead_after_s`` (it is then re-handshaken until it answers
-again), :class:`~router.agent_events.Unreachable` when an ADMIT or STEP could not be sent.
-TASK_STATUS goes to ``on_task_status``; the latest heartbeats are read with :meth:`kv_reports`.
+as one event stream (``on_event``): ``wire.Tokens``, ``wire.Refused``, ``wire.Layers`` and
+``wire.Leaving`` as they arrive, :class:`~router.agent_events.AgentJoined` after a handshake,
+:class:`~router.agent_events.AgentDied` when an agent's heartbeats stop for ``dead_after_s`` (it is
+then re-handshaken until it answers again; :class:`~router.agent_events.AgentLeft` instead when it
+had said LEAVING), :class:`~router.agent_events.Unreachable` when an ADMIT or STEP could not be
+sent, and a failed ``wire.Layers`` at once when a SET_LAYERS / RELEASE_LAYERS could not. Agents may
+be added (a node joining) and removed while it runs (:meth:`AgentsIO.add_agent`,
+:meth:`AgentsIO.remove_agent`). TASK_STATUS goes to ``on_task_status``; the latest heartbeats are
+read with :meth:`kv_reports`.
 
 Callbacks run on the I/O thread and must be quick. All public methods are thread-safe.
 """
@@ -41,7 +45,7 @@ from helix.errors import ProtocolError
 from helix.handshake import CoordinatorHandshake
 from helix.keys import RESULTS, CurveKeys, KeyGuard
 from helix.zmq_io import CurveSockets, Frames, IOLoop
-from router.agent_events import AgentDied, AgentEvent, AgentJoined, KVReport, Unreachable
+from router.agent_events import AgentDied, AgentEvent, AgentJoined, AgentLeft, KVReport, Unreachable
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +67,7 @@ class AgentState:
     handshake: CoordinatorHandshake | None = None
     hello_at: float = 0.0
     auth_error: str | None = None
+    leaving: bool = False  # it said LEAVING: when its heartbeats stop it left (AgentLeft), it did not crash
 
 
 class AgentsIO:
@@ -160,6 +165,35 @@ class AgentsIO:
         for node, msg in messages:
             self._send(node, msg)
 
+    def add_agent(self, node_id: str, control_address: str) -> None:
+        """Connect to one more agent (a node joining); an agent of that id already known is dialed anew
+        at ``control_address``. Its handshake ends in :class:`~router.agent_events.AgentJoined` as at start."""
+        if self.curve is not None and node_id not in self.agent_keys:
+            raise ProtocolError(f"no CURVE public key for agent {node_id!r}: nodes join only without CURVE keys")
+
+        def add() -> None:
+            old = self._agents.get(node_id)
+            if old is not None and old.alive and old.control_address == control_address:
+                return
+            agent = AgentState(node_id, control_address, sock=old.sock if old is not None else None)
+            with self._lock:
+                self._agents[node_id] = agent
+            self._connect(agent)  # closes the old socket
+
+        self._loop.call(add)
+
+    def remove_agent(self, node_id: str) -> None:
+        """Stop talking to ``node_id`` (it left the cluster): its socket closes, no event follows."""
+
+        def remove() -> None:
+            with self._lock:
+                agent = self._agents.pop(node_id, None)
+            if agent is not None and agent.sock is not None:
+                self._loop.unwatch(agent.sock)
+                agent.sock.close(linger=0)
+
+        self._loop.call(remove)
+
     def send_task(self, node_id: str, msg: wire.LoadTask | wire.UnloadTask) -> None:
         """Send LOAD_TASK / UNLOAD_TASK to ``node_id``; its TASK_STATUS goes to ``on_task_status`` (a
         failed one at once if the agent is not connected)."""
@@ -210,6 +244,9 @@ class AgentsIO:
         if agent is None or not agent.alive or not self._send_raw(agent, msg):
             if isinstance(msg, wire.Admit | wire.Step):
                 self._emit(Unreachable(node_id, msg.request_id))
+            elif isinstance(msg, wire.SetLayers | wire.ReleaseLayers):
+                op = "load" if isinstance(msg, wire.SetLayers) else "release"
+                self._emit(wire.Layers(node_id, msg.version, op, 0, 0, error=f"node {node_id!r} is not connected"))
 
     def _send_task(self, node_id: str, msg: wire.LoadTask | wire.UnloadTask) -> None:
         agent = self._agents.get(node_id)
@@ -244,12 +281,19 @@ class AgentsIO:
             elif outcome.trusted and isinstance(msg, wire.Welcome):
                 with self._lock:
                     agent.welcome, agent.alive, agent.last_seen, agent.auth_error = msg, True, now, None
+                    agent.leaving = False
                 log.info("agent %s is alive (layers [%d, %d))", agent.node_id, msg.layer_start, msg.layer_end)
                 self._emit(AgentJoined(agent.node_id, msg))
         elif isinstance(msg, wire.Heartbeat) and agent.alive:
             with self._lock:
                 agent.heartbeat, agent.heartbeat_at, agent.last_seen = msg, now, now
         elif isinstance(msg, wire.Tokens | wire.Refused):
+            self._emit(msg)
+        elif isinstance(msg, wire.Layers | wire.Leaving) and msg.node_id == agent.node_id and agent.alive:
+            if isinstance(msg, wire.Leaving):
+                log.info("agent %s is leaving: it drains %d requests within %.0f s", agent.node_id, msg.running,
+                         msg.drain_s)  # fmt: skip
+                agent.leaving = True
             self._emit(msg)
         elif isinstance(msg, wire.TaskStatus) and msg.node_id == agent.node_id:
             self._task_status(msg)
@@ -279,8 +323,13 @@ class AgentsIO:
             if agent.alive and now - agent.last_seen > self.dead_after_s:
                 with self._lock:
                     agent.alive = False
-                log.warning("agent %s missed its heartbeats for %.1f s: dead", agent.node_id, now - agent.last_seen)
-                self._emit(AgentDied(agent.node_id))
+                if agent.leaving:
+                    log.info("agent %s left", agent.node_id)
+                    self._emit(AgentLeft(agent.node_id))
+                else:
+                    log.warning("agent %s missed its heartbeats for %.1f s: dead", agent.node_id,
+                                now - agent.last_seen)  # fmt: skip
+                    self._emit(AgentDied(agent.node_id))
                 self._connect(agent)
             elif not agent.alive and now - agent.hello_at > HELLO_RETRY_S and agent.handshake is not None:
                 agent.hello_at = now  # same socket and nonce: a late CHALLENGE still verifies

@@ -28,6 +28,10 @@ STEP to the pipeline's first stage. A one-stage pipeline feeds itself on the age
 request has stop strings: then it is *paced* (``SamplingSpec.paced``) and waits for the STEP too,
 so no step runs after a stop string either. Nothing is sent after a request ends: its stages get
 CANCEL (to free KV), the last stage's too unless it finished the request itself.
+
+Live membership: an agent that says LEAVING (or refuses ``leaving``) is masked at once
+(``Router.draining``); an agent is routed through once it holds the plan's layers (its WELCOME and
+LAYERS, :mod:`router.holdings`); :meth:`CoordinatorCore.set_router` switches to a re-plan's router.
 """
 
 from __future__ import annotations
@@ -46,8 +50,9 @@ from helix.errors import (
     RequestError,
     UnknownTaskError,
 )
-from router.agent_events import AgentDied, AgentEvent, AgentJoined, KVReported, Unreachable
+from router.agent_events import AgentDied, AgentEvent, AgentJoined, AgentLeft, KVReported, Unreachable
 from router.core_interfaces import CoreObserver, CoreOutput, QuietObserver, TaskGate
+from router.holdings import AgentHoldings
 from router.policy import Router, RouteRequest
 from router.request import Finish, Request, RequestOutput, RequestStatus
 
@@ -73,7 +78,8 @@ class CoordinatorCore:
         self.tasks = tasks
         self.default_task_label = default_task_label
         self.coordinator_id = router.topology.coordinator
-        self.addresses: dict[str, str] = {}  # node -> its data plane (from WELCOME)
+        self.agents = AgentHoldings()  # connected agents: data addresses, layers held, KV capacity
+        self.unavailable = ""  # why the cluster cannot serve the model (live membership's verdict), for 503s
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: deque[Request] = deque()
         self._by_wire: dict[str, Request] = {}  # running attempts
@@ -97,7 +103,7 @@ class CoordinatorCore:
                                param="max_tokens")  # fmt: skip
         if not self.ready and not pinned:
             self.observer.rejected("no_route")
-            raise NoRouteError(f"no complete pipeline is available (nodes down: {self._dead()})")
+            raise NoRouteError(f"no complete pipeline is available ({self._why_down()})")
         if request.request_id in self.requests:
             raise RequestError(f"request {request.request_id!r} is already in flight", param="request_id")
         if params.task and self.tasks is not None:
@@ -146,6 +152,8 @@ class CoordinatorCore:
                     if request is not None:  # else: a late token of a finished or abandoned attempt
                         self._on_token(request, out, event.node_id, now)
             elif isinstance(event, wire.Refused):
+                if event.code == ErrorCode.LEAVING:  # before its LEAVING, maybe: route around it now
+                    self._on_leaving(event.node_id)
                 request = self._by_wire.get(event.request_id)
                 if request is not None:
                     code = ErrorCode(event.code) if event.code in _CODES else None  # decoded: always a code
@@ -156,10 +164,14 @@ class CoordinatorCore:
                 if request is not None:
                     self._on_attempt_error(request, ErrorCode.AGENT_DEAD, f"node {event.node!r} is not reachable",
                                            event.node, ErrorCode.AGENT_DEAD)  # fmt: skip
-            elif isinstance(event, AgentDied):
-                self._on_agent_dead(event.node)
+            elif isinstance(event, AgentDied | AgentLeft):
+                self._on_agent_dead(event.node, "left" if isinstance(event, AgentLeft) else "is dead")
             elif isinstance(event, AgentJoined):
                 self._on_agent_alive(event.node, event.welcome)
+            elif isinstance(event, wire.Leaving):
+                self._on_leaving(event.node_id)
+            elif isinstance(event, wire.Layers) and self.agents.reported(event):
+                self._use(event.node_id)
             elif isinstance(event, KVReported):
                 self.router.report_kv(event.node, used=event.used, reserved=event.reserved, capacity=event.capacity)
 
@@ -178,8 +190,9 @@ class CoordinatorCore:
     def running(self) -> int:
         return len(self._by_wire)
 
-    def _dead(self) -> str:
-        return ", ".join(sorted(self.router.dead)) or "none"
+    def _why_down(self) -> str:
+        why = self.router.describe_down()
+        return f"{why}; {self.unavailable}" if self.unavailable else why
 
     def _retry_after_s(self) -> float:
         return max(1.0, min(30.0, 0.5 * (1 + len(self.waiting))))
@@ -191,7 +204,7 @@ class CoordinatorCore:
         prompt = request.params.prompt_ids + request.output_ids
         if request.pinned is not None:
             pipeline = request.pinned
-            if any(s.node not in self.addresses or s.node in self.router.dead for s in pipeline.stages):
+            if any(s.node not in self.agents.addresses or s.node in self.router.dead for s in pipeline.stages):
                 return False
         else:
             try:
@@ -200,27 +213,15 @@ class CoordinatorCore:
                 return False
         request.attempt += 1
         request.wire_id = f"{request.request_id}.{request.attempt}"
-        stages = tuple(wire.StageRef(s, self.addresses.get(s.node, "")) for s in pipeline.stages)
+        stages = tuple(wire.StageRef(s, self.agents.addresses.get(s.node, "")) for s in pipeline.stages)
         self._send(stages[0].stage.node, wire.Admit(request.wire_id, tuple(prompt), request.remaining_tokens,
-                                                 self._sampling(request), stages, self.reply_to, request.params.task))
+                                                 request.sampling_spec(self.stop_token_ids), stages, self.reply_to, request.params.task))
         request.pipeline, request.attempt_tokens, request.status = pipeline, 0, RequestStatus.RUNNING
         request.pipelines.append(pipeline)
         self._by_wire[request.wire_id] = request
         if request.attempt == 1:
             self._out.outputs.append(RequestOutput(request.request_id, started=True))
         return True
-
-    def _sampling(self, request: Request) -> wire.SamplingSpec:
-        """The attempt's sampling parameters. A re-prefill after a failover carries the tokens generated
-        so far, so the last stage's penalty counts cover the whole output and its grammar matcher
-        continues where the failed pipeline's stopped."""
-        p = request.params
-        stateful = bool(p.presence_penalty or p.frequency_penalty or p.grammar)
-        return wire.SamplingSpec(temperature=p.temperature, top_p=p.top_p, seed=p.seed,
-                                 stop_token_ids=tuple(sorted(self.stop_token_ids)),
-                                 presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-                                 logit_bias=p.logit_bias, grammar=p.grammar, paced=bool(p.stop),
-                                 prior_output_ids=tuple(request.output_ids) if stateful else ())  # fmt: skip
 
     def _expire(self, now: float) -> None:
         expired = [r for r in self.waiting if r.deadline_s <= now]
@@ -302,7 +303,7 @@ class CoordinatorCore:
         if request.attempt >= self.max_attempts:
             self._fail(request, NoRouteError(f"request given up after {request.attempt} pipelines failed ({why})"))
         elif not self.ready:
-            self._fail(request, NoRouteError(f"{why}: no complete pipeline is left (nodes down: {self._dead()})"))
+            self._fail(request, NoRouteError(f"{why}: no complete pipeline is left ({self._why_down()})"))
         elif not self._try_start(request):
             request.status, request.deadline_s = RequestStatus.WAITING, float("inf")
             self.waiting.appendleft(request)  # KV-masked for now: first in line
@@ -339,11 +340,13 @@ class CoordinatorCore:
 
     # -- cluster events --------------------------------------------------------------------------
 
-    def _on_agent_dead(self, node: str) -> None:
+    def _on_agent_dead(self, node: str, how: str = "is dead") -> None:
         """Mask the node and move its in-flight requests to new pipelines."""
+        self.agents.gone(node)
         if node in self.router.dead:
             return
-        log.warning("agent %s is dead: masking it", node)
+        (log.info if how == "left" else log.warning)("agent %s %s: masking it", node, how)
+        self.router.draining.discard(node)
         self.router.mark_dead(node)
         self.ready = self.router.has_route()
         moved = [r for r in self._by_wire.values() if r.pipeline is not None and node in r.pipeline.nodes]
@@ -357,27 +360,50 @@ class CoordinatorCore:
                 self._reroute(request, f"node {node} died")
         if not self.ready:
             while self.waiting:
-                self._fail(self.waiting.popleft(), NoRouteError(f"no complete pipeline is left (nodes down: "
-                                                                f"{self._dead()})"))  # fmt: skip
+                self._fail(self.waiting.popleft(), NoRouteError(f"no complete pipeline is left "
+                                                                f"({self._why_down()})"))  # fmt: skip
+
+    def _on_leaving(self, node: str) -> None:
+        """``node`` drains: route no new request through it; those it runs finish there."""
+        if node not in self.router.draining and node not in self.router.dead:
+            log.info("agent %s is leaving: routing around it", node)
+            self.router.draining.add(node)
+            self.ready = self.router.has_route()
 
     def _on_agent_alive(self, node: str, welcome: wire.Welcome) -> None:
-        """Route through ``node`` again, unless its agent holds other layers than the plan gives it."""
+        """``node``'s agent (re)connected: route through it once it holds the layers the plan gives it."""
+        self.agents.joined(node, welcome)
+        self.router.draining.discard(node)  # a new agent process: not leaving
+        self._use(node)
+
+    def _use(self, node: str) -> None:
+        """Route through the connected ``node`` if it is masked dead and holds its range of the plan."""
         placement = self.router.topology.placement
-        if node not in placement:
+        if node not in placement or node not in self.router.dead:
             return
-        start, end = placement[node]
-        if (welcome.layer_start, welcome.layer_end) != (start, end):
-            log.error("agent %s holds layers [%d, %d) but the plan gives it [%d, %d): not using it", node,
-                      welcome.layer_start, welcome.layer_end, start, end)  # fmt: skip
+        capacity = self.agents.serves(node, *placement[node])
+        if capacity is None:
             return
-        self.addresses[node] = welcome.data_address
-        self.router.report_kv(node, used=0.0, capacity=float(welcome.kv_capacity_tokens * (end - start)))
+        self.router.report_kv(node, used=0.0, capacity=capacity)
         log.info("agent %s is alive", node)
         self.router.mark_alive(node)
         self.ready = self.router.has_route()
+
+    def set_router(self, router: Router) -> None:
+        """Route by ``router`` (a new plan's) from now on. Requests in flight keep their pipelines, KV
+        reservations and leaving nodes' masks; a node is routed through once it holds its new range."""
+        router.adopt(self.router)
+        placement = router.topology.placement
+        router.draining |= self.router.draining & set(placement)
+        self.router = router
+        for node in placement:
+            router.mark_dead(node)
+            self._use(node)
+        self.ready = router.has_route()
 
     def _send(self, node: str, msg: wire.Message) -> None:
         self._out.messages.append((node, msg))
 
 
 _CODES = frozenset(c.value for c in ErrorCode)
+

@@ -99,6 +99,17 @@ class KVEstimator:
                 kv.reserved = max(0.0, kv.reserved - entries)
         return True
 
+    def adopt(self, other: KVEstimator) -> None:
+        """Take over ``other``'s reservations (a re-plan: requests in flight keep theirs) on the nodes known here."""
+        for request_id, held in other._held.items():
+            if request_id in self._held:
+                continue
+            for node, entries in held:
+                kv = self.nodes.get(node)
+                if kv is not None:
+                    kv.reserved += entries
+            self._held[request_id] = held
+
     def holds(self, request_id: object) -> bool:
         return request_id in self._held
 

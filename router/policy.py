@@ -5,6 +5,10 @@ the :class:`~router.pipeline.Topology` of the placement and a
 :class:`~router.kv.KVEstimator`. ``route(request)`` builds the request's pipeline hop by hop
 (IWRR, skipping dead nodes and nodes whose KV would pass the watermark) and reserves its KV;
 ``finish(request_id)`` releases it. Pure and step-driven: no sockets, no clocks.
+
+Nodes are masked two ways: ``dead`` (gone: not routed, not reached) and ``draining`` (leaving, or
+whose layers move: not routed, but still finishing the requests they run). A re-plan builds a new
+router and :meth:`Router.adopt` hands it the old one's requests in flight.
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ class Router:
         self.kv = kv
         self.mask_kv = mask_kv
         self.dead: set[str] = set()
+        self.draining: set[str] = set()
         self.pipelines: dict[object, Pipeline] = {}
         self.iwrr: dict[str, IWRR] = {
             v: IWRR(succ, [flows.get((v, c), 0.0) for c in succ]) for v, succ in topology.successors.items()
@@ -115,7 +120,7 @@ class Router:
         """Build ``request``'s pipeline and reserve its KV; NoRouteError if none exists now."""
         kv = self.kv
         tokens = kv.tokens_for(request.prompt_tokens, request.expected_output_tokens)
-        dead = self.dead
+        dead = self._masked()
         if self.mask_kv:
             fits = kv.fits
 
@@ -139,6 +144,12 @@ class Router:
     def pipeline_of(self, request_id: object) -> Pipeline | None:
         return self.pipelines.get(request_id)
 
+    def adopt(self, old: Router) -> None:
+        """Take over ``old``'s requests in flight (a re-plan switched routers): their pipelines, and their
+        KV reservations on the nodes this router knows, so they are released here when they finish."""
+        self.pipelines.update(old.pipelines)
+        self.kv.adopt(old.kv)
+
     # -- cluster state ----------------------------------------------------------------------
 
     def mark_dead(self, node: str) -> list[object]:
@@ -149,12 +160,34 @@ class Router:
     def mark_alive(self, node: str) -> None:
         self.dead.discard(node)
 
+    def _masked(self) -> set[str]:
+        return self.dead | self.draining if self.draining else self.dead
+
+    def describe_down(self) -> str:
+        """The nodes not routed through and the layers no routable node holds (NoRouteError's message)."""
+        why = f"nodes down: {', '.join(sorted(self._masked())) or 'none'}"
+        missing = ", ".join(f"[{s}, {e})" for s, e in self.uncovered())
+        return f"{why}; no live node holds layers {missing}" if missing else why
+
+    def uncovered(self) -> list[tuple[int, int]]:
+        """The layer ranges no routable node of the placement holds (what a route lacks)."""
+        masked = self._masked()
+        held = [r for n, r in self.topology.placement.items() if n not in masked]
+        out: list[tuple[int, int]] = []
+        for layer in range(self.topology.num_layers):
+            if not any(s <= layer < e for s, e in held):
+                if out and out[-1][1] == layer:
+                    out[-1] = (out[-1][0], layer + 1)
+                else:
+                    out.append((layer, layer + 1))
+        return out
+
     def report_kv(self, node: str, *, used: float, reserved: float | None = None, capacity: float | None = None) -> None:
         self.kv.report(node, used=used, reserved=reserved, capacity=capacity)
 
     def can_ever_fit(self, tokens: int) -> bool:
         """Whether some live pipeline could hold ``tokens`` if its nodes' KV were empty."""
-        kv, dead = self.kv, self.dead
+        kv, dead = self.kv, self._masked()
 
         def admissible(node: str, start: int, end: int) -> bool:
             cap = kv.nodes[node].capacity if node in kv.nodes else None
@@ -168,7 +201,7 @@ class Router:
 
     def has_route(self) -> bool:
         """Whether a complete pipeline exists through live nodes (ignoring KV)."""
-        dead = self.dead
+        dead = self._masked()
         try:
             build_pipeline(self.topology, lambda v, ex, ok: _first(self.topology.successors[v], ex, ok),
                            lambda n, s, e: n not in dead)

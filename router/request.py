@@ -12,10 +12,12 @@ Pure data: no sockets, threads or clocks.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
 
+from helix import wire
 from helix.domain import ErrorCode, FinishReason, Pipeline
 from helix.errors import HelixError
 from router.stops import StopMatcher
@@ -121,6 +123,18 @@ class Request:
     @property
     def remaining_tokens(self) -> int:
         return self.params.max_tokens - len(self.output_ids)
+
+    def sampling_spec(self, stop_token_ids: Collection[int]) -> wire.SamplingSpec:
+        """The next attempt's sampling parameters. A re-prefill after a failover carries the tokens
+        generated so far, so the last stage's penalty counts cover the whole output and its grammar
+        matcher continues where the failed pipeline's stopped."""
+        p = self.params
+        stateful = bool(p.presence_penalty or p.frequency_penalty or p.grammar)
+        return wire.SamplingSpec(temperature=p.temperature, top_p=p.top_p, seed=p.seed,
+                                 stop_token_ids=tuple(sorted(stop_token_ids)),
+                                 presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                                 logit_bias=p.logit_bias, grammar=p.grammar, paced=bool(p.stop),
+                                 prior_output_ids=tuple(self.output_ids) if stateful else ())  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,7 @@ import zmq
 from helix import wire
 from helix.domain import ErrorCode, FinishReason, Stage
 from helix.errors import CapacityError, NoRouteError, RequestError
-from router.agent_events import AgentDied, AgentEvent, AgentJoined, Unreachable
+from router.agent_events import AgentDied, AgentEvent, AgentJoined, AgentLeft, Unreachable
 from router.agents_io import AgentsIO
 from router.pinned import PinnedClient
 from router.request import RequestOutput
@@ -79,6 +79,13 @@ class ScriptedAgent(threading.Thread):
             self.token(msg.request_id, 0, len(msg.prompt))
         elif isinstance(msg, wire.Step):
             self.token(msg.request_id, msg.step + 1, msg.token_id + 1)
+        elif isinstance(msg, wire.SetLayers):
+            self.send(identity, wire.Layers(self.node_id, msg.version, "load", msg.layer_start, msg.layer_end))
+
+    def say(self, msg: wire.Message) -> None:
+        """Send ``msg`` to every coordinator that completed the handshake (LEAVING)."""
+        for identity in self._authed:
+            self.send(identity, msg)
 
     def reply(self, address: str, msg: wire.Message) -> None:
         if self.push.closed is False and address:
@@ -215,3 +222,23 @@ def test_pinned_client_refusal_cancel_and_bad_submissions(agent: ScriptedAgent) 
         got = until_finished(client.outputs)  # no output of "long" follows its cancel, late tokens included
         assert {o.request_id for o in got} == {"after"} and got[-1].token_ids == (2,)
     assert any(isinstance(m, wire.Cancel) and m.request_id == "long.1" for m in agent.received)
+
+
+def test_layers_and_leaving_are_events_and_a_leaving_agent_that_stops_left(agent: ScriptedAgent) -> None:
+    events: queue.Queue[AgentEvent] = queue.Queue()
+    with AgentsIO({}, secret=SECRET, dead_after_s=0.5, on_event=events.put) as io:
+        io.add_agent("solo", agent.address)  # a node joining at run time
+        assert isinstance(events.get(timeout=10), AgentJoined)
+        io.send([("solo", wire.SetLayers(3, 0, 10)), ("ghost", wire.ReleaseLayers(3))])
+        got = {events.get(timeout=5), events.get(timeout=5)}
+        assert got == {wire.Layers("solo", 3, "load", 0, 10),
+                       wire.Layers("ghost", 3, "release", 0, 0, error="node 'ghost' is not connected")}
+        agent.say(wire.Leaving("solo", 30.0, 2))
+        assert events.get(timeout=5) == wire.Leaving("solo", 30.0, 2)
+        agent.heartbeats.clear()
+        assert events.get(timeout=5) == AgentLeft("solo")  # not AgentDied: it said it was going
+        io.remove_agent("solo")
+        deadline = time.monotonic() + 5
+        while "solo" in io.agents() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert io.agents() == {}

@@ -89,7 +89,7 @@ def test_no_node_is_used_before_its_agent_joins_and_a_wrong_range_is_not_used() 
     core.update_from_output([AgentJoined("cpu-0", welcome("cpu-0", (0, 20)))], now=0.0)  # plan says [0, 30)
     assert not core.ready
     core.update_from_output([AgentJoined("cpu-0", welcome("cpu-0", (0, 30)))], now=0.0)
-    assert core.ready and core.addresses["cpu-0"].endswith("cpu-0")
+    assert core.ready and core.agents.addresses["cpu-0"].endswith("cpu-0")
 
 
 def _one_pipeline_core(placement: dict[str, tuple[int, int]], **options: object) -> CoordinatorCore:
