@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -116,13 +116,15 @@ def vllm_serving_cluster(tmp_path_factory: pytest.TempPathFactory, demo_cluster:
 
 
 @pytest.fixture(scope="session")
-def cluster_server() -> Callable[[pytest.TempPathFactory, Path], Iterator[ServingCluster]]:
+def cluster_server() -> Callable[..., Iterator[ServingCluster]]:
     """:func:`serve_cluster`, for a test module that serves a cluster file of its own."""
     return serve_cluster
 
 
-def serve_cluster(tmp_path_factory: pytest.TempPathFactory, demo_cluster: Path) -> Iterator[ServingCluster]:
-    """Agents of the test placement for ``demo_cluster``'s nodes and a coordinator serving them."""
+def serve_cluster(tmp_path_factory: pytest.TempPathFactory, demo_cluster: Path,
+                  agent_args: Sequence[str] = ()) -> Iterator[ServingCluster]:  # fmt: skip
+    """Agents of the test placement for ``demo_cluster``'s nodes (``agent_args`` added to each agent's
+    command line, e.g. ``--chunk-size 16``) and a coordinator serving them."""
     from helix.plan import load_plan
     from helix.profile import load_profiles_for
     from helix.spec import load_cluster
@@ -132,7 +134,7 @@ def serve_cluster(tmp_path_factory: pytest.TempPathFactory, demo_cluster: Path) 
     workdir = tmp_path_factory.mktemp("serving")
     plan_path = make_test_plan(workdir / "plan.json")
     secret = "test-secret"
-    agents = AgentProcesses(demo_cluster, plan_path, workdir, secret=secret)
+    agents = AgentProcesses(demo_cluster, plan_path, workdir, secret=secret, extra_args=tuple(agent_args))
     server: Any = None
     thread: threading.Thread | None = None
     try:

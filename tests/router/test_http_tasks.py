@@ -6,9 +6,9 @@ task (Helix's layout) are listed in the cluster file's ``tasks:``; a mask task i
 unloaded at runtime through ``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter``. Greedy
 tokens equal the references: ``peft`` on the transformers model for the LoRA, transformers on a
 copy of the base with the diff or mask merged into its weights for the others. Every agent reads
-the task directories itself, only the tensors of its own layers. Streaming requests over a task of
-every PET type (an adapter and a BitFit task loaded at runtime too) and the base, joining each other
-mid-flight, give the text each gives alone.
+the task directories itself, only the tensors of its own layers. PETs that do not fit the base are
+refused naming the file and the tensor, disturbing nothing. Many tasks batched together, and
+tasks loaded and unloaded under load, are test_http_tasks_mixed.py's.
 """
 
 from __future__ import annotations
@@ -30,89 +30,21 @@ from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file, save_file
 
 from router.tasks import TaskState
+from tests.router.pet_tasks import (
+    MAX_LORA_RANK,
+    MODEL,
+    NEW_TOKENS,
+    ServingCluster,
+    complete,
+    load,
+    peft_lora,
+    random_diff,
+    random_mask_complement,
+    smollm2_hf,
+    unload,
+)
 
-API_KEY, MODEL = "test-key", "smollm2-135m"  # as tests/router/conftest.py serves them
-ServingCluster = Any  # tests/router/conftest.py's ServingCluster
-NEW_TOKENS = 8
-HF_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
-MAX_LORA_RANK = 16
-
-
-def _shape(hf: Any, module: str) -> tuple[int, int]:
-    return tuple(hf.model.layers[0].get_submodule(module).weight.shape)  # type: ignore[return-value]
-
-
-def _positions(gen: torch.Generator, shape: tuple[int, int], density: float) -> torch.Tensor:
-    flat = torch.randperm(shape[0] * shape[1], generator=gen)[: int(density * shape[0] * shape[1])]
-    return torch.stack([flat // shape[1], flat % shape[1]])
-
-
-def peft_lora(hf: Any, directory: Path, *, rank: int = 8, seed: int = 1) -> Any:
-    """A LoRA on every linear, random non-trivial A and B, saved by ``peft`` itself; returns the peft model."""
-    from peft import LoraConfig, get_peft_model
-
-    model = get_peft_model(copy.deepcopy(hf), LoraConfig(r=rank, lora_alpha=16, lora_dropout=0.0,
-                                                          target_modules=HF_MODULES, alpha_pattern={"v_proj": 32}))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_A" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
-            elif "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.06)
-    model.save_pretrained(directory)
-    return model.eval()
-
-
-def random_diff(hf: Any, seed: int = 5, density: float = 0.005) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    out = {}
-    for i in range(hf.config.num_hidden_layers):
-        for m in ATTENTION:
-            shape = _shape(hf, m)
-            idx = _positions(gen, shape, density)
-            out[f"model.layers.{i}.{m}.weight_diff"] = torch.sparse_coo_tensor(
-                idx, torch.randn(idx.shape[1], generator=gen) * 0.3, shape, check_invariants=True).coalesce()
-    return out
-
-
-def random_mask_complement(hf: Any, seed: int = 6, zeroed: float = 0.04) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    out = {}
-    for i in range(hf.config.num_hidden_layers):
-        for m in ("self_attn.o_proj", "mlp.down_proj"):
-            shape = _shape(hf, m)
-            idx = _positions(gen, shape, zeroed)
-            out[f"model.layers.{i}.{m}.weight_mask_complement"] = torch.sparse_coo_tensor(
-                idx, torch.ones(idx.shape[1], dtype=torch.bool), shape, check_invariants=True).coalesce()
-    return out
-
-
-def random_adapter(hf: Any, seed: int = 7, bottleneck: int = 16) -> dict[str, torch.Tensor]:
-    gen, h = torch.Generator().manual_seed(seed), hf.config.hidden_size
-    out = {}
-    for i in range(hf.config.num_hidden_layers):
-        for place in ("attn_adapter", "mlp_adapter"):
-            p = f"model.layers.{i}.{place}"
-            out[f"{p}.down.weight"] = torch.randn(bottleneck, h, generator=gen) / h ** 0.5
-            out[f"{p}.down.bias"] = torch.randn(bottleneck, generator=gen) * 0.1
-            out[f"{p}.up.weight"] = torch.randn(h, bottleneck, generator=gen) * 0.1 / bottleneck ** 0.5
-            out[f"{p}.up.bias"] = torch.randn(h, generator=gen) * 0.02
-    return out
-
-
-def random_bitfit(hf: Any, seed: int = 8) -> dict[str, torch.Tensor]:
-    gen, h = torch.Generator().manual_seed(seed), hf.config.hidden_size
-    out = {}
-    for i in range(hf.config.num_hidden_layers):
-        for m in (*ATTENTION, "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
-            out[f"model.layers.{i}.{m}.bias"] = torch.randn(_shape(hf, m)[0], generator=gen) * 0.05
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            out[f"model.layers.{i}.{norm}.bias"] = torch.randn(h, generator=gen) * 0.05
-    out["model.norm.bias"] = torch.randn(h, generator=gen) * 0.1
-    out["lm_head.bias"] = torch.randn(hf.config.vocab_size, generator=gen) * 0.5
-    return out
+API_KEY = "test-key"  # as tests/router/conftest.py serves it
 
 
 def merged(hf: Any, tensors: dict[str, torch.Tensor]) -> Any:
@@ -144,12 +76,7 @@ def greedy(model: Any, prompts: list[list[int]], max_tokens: int = NEW_TOKENS) -
 
 @pytest.fixture(scope="module")
 def hf() -> Any:
-    from transformers import LlamaForCausalLM
-
-    from node_agent.gguf_convert import cached_model_dir
-
-    torch.set_num_threads(1)
-    return LlamaForCausalLM.from_pretrained(cached_model_dir(), dtype=torch.float32).eval()
+    return smollm2_hf()
 
 
 @pytest.fixture(scope="module")
@@ -192,26 +119,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, demo_cluster: Path, task_d
         yield serving
 
 
-def complete(cluster: ServingCluster, model: str, prompt: list[int], max_tokens: int = NEW_TOKENS) -> Any:
-    return cluster.client().completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0)
-
-
 def tokens_of(cluster: ServingCluster, out: Any) -> list[int]:
     return cluster.coordinator.tokenizer.encode(out.choices[0].text)
 
 
 def expected_text(cluster: ServingCluster, ids: list[int]) -> str:
     return cluster.coordinator.tokenizer.decode(ids)
-
-
-def load(cluster: ServingCluster, name: str, path: Path | str, **kw: Any) -> httpx.Response:
-    with cluster.http() as http:
-        return http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path), **kw})
-
-
-def unload(cluster: ServingCluster, name: str) -> httpx.Response:
-    with cluster.http() as http:
-        return http.post("/v1/unload_lora_adapter", json={"lora_name": name})
 
 
 # ---- correctness ------------------------------------------------------------------------------------
@@ -244,6 +157,9 @@ def test_an_unknown_task_is_a_404_naming_it(cluster: ServingCluster, prompts: li
     with pytest.raises(openai.NotFoundError, match="the model 'no-such-task' does not exist here") as err:
         complete(cluster, "no-such-task", prompts[0])
     assert err.value.body["param"] == "model"  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError, match="the model 'no-such-task' does not exist here"):  # before a stream
+        cluster.client().chat.completions.create(model="no-such-task", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=2, stream=True)  # fmt: skip
     response = unload(cluster, "no-such-task")
     assert response.status_code == 404
     assert "task 'no-such-task' is not loaded" in response.json()["error"]["message"]
@@ -258,37 +174,6 @@ def test_metrics_count_requests_and_tokens_per_task(cluster: ServingCluster, pro
     tokens = {(lab["task"], lab["kind"]): v for n, lab, v in samples if n == "helix_task_tokens_total"}
     assert requests["diff-task"] >= 1 and requests["sql-lora"] >= 1
     assert tokens["diff-task", "generated"] >= 3 and tokens["diff-task", "prompt"] >= len(prompts[0])
-
-
-def test_requests_over_all_five_pet_types_joining_mid_flight_equal_each_alone(
-        cluster: ServingCluster, task_dirs: dict[str, Any], hf: Any, prompts: list[list[int]]) -> None:  # fmt: skip
-    """12 streaming requests over a task of each PET type and the base, each started once the one before
-    it streamed its first token (so the agents' steps mix tasks, prefills and decodes), give exactly the
-    text each gives served alone."""
-    from node_agent.task_files import save_pet
-
-    root, runtime = task_dirs["root"], ("mask-task", "adapter-task", "bitfit-task")
-    save_pet(root / "adapter-task", "adapter", random_adapter(hf))
-    save_pet(root / "bitfit-task", "bitfit", random_bitfit(hf))
-    for name in runtime:
-        assert load(cluster, name, root / name).status_code == 200
-    try:
-        names = ["sql-lora", "adapter-task", MODEL, "bitfit-task", "diff-task", "mask-task"]
-        requests = [(name, prompts[k]) for k in (0, 2) for name in names]
-        alone = [complete(cluster, name, prompt, max_tokens=24).choices[0].text for name, prompt in requests]
-        assert len(set(alone[:6])) == 6  # every task gives its own text on the same prompt
-        streams, texts = [], []
-        for name, prompt in requests:
-            stream = iter(cluster.client().completions.create(model=name, prompt=prompt, max_tokens=24, temperature=0,
-                                                              stream=True))  # fmt: skip
-            texts.append([next(stream).choices[0].text])
-            streams.append(stream)
-        for stream, parts in zip(streams, texts, strict=True):
-            parts += [c.choices[0].text for c in stream if c.choices]
-        assert ["".join(parts) for parts in texts] == alone
-    finally:
-        for name in runtime:
-            unload(cluster, name)
 
 
 # ---- runtime load / unload ---------------------------------------------------------------------------
@@ -422,6 +307,34 @@ def test_a_mask_of_the_wrong_size_and_bad_directories_are_refused(cluster: Servi
     assert taken.status_code == 400 and "task 'sql-lora' is already ready" in taken.json()["error"]["message"]
     base = load(cluster, MODEL, root / "sql-lora")
     assert base.status_code == 400 and "is the base model's name" in base.json()["error"]["message"]
+    _nothing_disturbed(cluster, task_dirs, prompts)
+
+
+@pytest.mark.parametrize(("pet_type", "tensors", "match"), [
+    ("adapter", {"model.layers.5.mlp_adapter.down.weight": torch.zeros(16, 576),
+                 "model.layers.5.mlp_adapter.up.weight": torch.zeros(576, 8)},
+     r"model\.layers\.5\.mlp_adapter\.up\.weight: shape \[576, 8\] does not fit the base model \(expected "
+     r"\[576, 16\]\)"),
+    ("bitfit", {"model.layers.3.self_attn.k_proj.bias": torch.zeros(576)},
+     r"model\.layers\.3\.self_attn\.k_proj\.bias: shape \[576\] does not fit the base model \(expected \[192\]\)"),
+    ("bitfit", {"model.layers.3.input_layernorm.bias": torch.zeros(576), "lm_head.bias": torch.zeros(1000)},
+     r"lm_head\.bias: shape \[1000\] does not fit the base model \(expected \[49152\]\)"),
+    ("diff", {"model.layers.31.self_attn.q_proj.weight_diff":
+              torch.sparse_coo_tensor([[0], [0]], [1.0], (576, 576), check_invariants=True)},
+     r"model\.layers\.31\.self_attn\.q_proj\.weight_diff\.(indices|values): layer 31 is outside the base model's 30 layers"),
+], ids=["adapter-shape", "bitfit-shape", "head-bias-on-the-last-stages-only", "diff-layer-count"])
+def test_a_pet_in_helix_layout_that_does_not_fit_is_refused_naming_file_and_tensor(
+        cluster: ServingCluster, task_dirs: dict[str, Any], prompts: list[list[int]], tmp_path: Path,
+        pet_type: str, tensors: dict[str, torch.Tensor], match: str) -> None:  # fmt: skip
+    """Wrong shapes and a layer past the model, for the PET types of Helix's layout. A bad LM-head bias
+    is read only by the agents ending the model (cpu-0, cpu-2): cpu-1 loads the task and unloads it again."""
+    from node_agent.task_files import save_pet
+
+    response = load(cluster, "bad", save_pet(tmp_path / "bad", pet_type, tensors))
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]["message"]
+    assert "task 'bad' was not loaded" in message
+    assert re.search(r"pet_model\.safetensors: " + match, message), message
     _nothing_disturbed(cluster, task_dirs, prompts)
 
 
