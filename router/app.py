@@ -3,7 +3,8 @@
 Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (server-sent events when
 ``stream`` is true; ``model`` names the base model or a fine-tuned task), ``GET /v1/models`` (the
 base model and every task, with its ``parent``), ``POST /v1/load_lora_adapter`` and
-``/v1/unload_lora_adapter`` (:mod:`router.task_routes`), ``GET /health`` (200 only while a complete pipeline
+``/v1/unload_lora_adapter`` (:mod:`router.task_routes`), ``GET /v1/cluster`` and ``POST
+/v1/cluster/join`` (:mod:`router.cluster_routes`), ``GET /health`` (200 only while a complete pipeline
 exists, else 503), ``GET /metrics`` (Prometheus text). Optional Bearer API keys guard ``/v1``.
 Every error is an OpenAI-style body ``{"error": {"message", "type", "param", "code"}}`` with
 the status of the :class:`~helix.errors.HelixError` behind it. The app is a thin wrapper: the
@@ -29,6 +30,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from helix.domain import Pipeline
 from helix.errors import HelixError, OverloadedError, RequestError
+from router.cluster_routes import add_cluster_routes
 from router.coordinator import Coordinator, RequestHandle
 from router.metrics import ServingMetrics
 from router.openai_requests import (
@@ -159,6 +161,7 @@ def create_app(coordinator: Coordinator, *, api_keys: Sequence[str] = (), lifesp
         return ModelList(data=base + tasks)
 
     add_task_routes(app, coordinator, open_without_key=task_admin_without_key or bool(api_keys))
+    add_cluster_routes(app, coordinator, open_without_key=task_admin_without_key or bool(api_keys))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

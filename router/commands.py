@@ -49,6 +49,12 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="refuse LoRA tasks of a higher rank when they are loaded (0: no limit; docs/pets.md)")
     p.add_argument("--dead-after-s", type=float, default=1.8,
                    help="an agent silent this long is dead and its requests move (agents heartbeat every 0.25 s)")
+    p.add_argument("--no-replan", action="store_true",
+                   help="keep the plan fixed: no re-plan when nodes die, leave or join (docs/serving.md)")
+    p.add_argument("--replan-grace-s", type=float, default=5.0,
+                   help="after an agent dies, wait this long before re-planning without it (it may come back)")
+    p.add_argument("--replan-interval-s", type=float, default=10.0, help="at most one re-plan starts per this long")
+    p.add_argument("--replan-time-limit-s", type=float, default=5.0, help="the planner's time limit for a re-plan")
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -88,8 +94,17 @@ def _options(args: argparse.Namespace, names: list[str] | None = None) -> Any:
 
     if args.max_lora_rank < 0:
         raise ConfigError(f"must be 0 (no limit) or more, got {args.max_lora_rank}", field="--max-lora-rank")
+    from router.membership_types import MembershipPolicy
+
+    for flag in ("replan_grace_s", "replan_interval_s", "replan_time_limit_s"):
+        if getattr(args, flag) < 0 or (flag == "replan_time_limit_s" and args.replan_time_limit_s == 0):
+            raise ConfigError(f"must be positive, got {getattr(args, flag)}", field="--" + flag.replace("_", "-"))
+    policy = None if args.no_replan else MembershipPolicy(grace_s=args.replan_grace_s,
+                                                          min_interval_s=args.replan_interval_s,
+                                                          replan_time_limit_s=args.replan_time_limit_s)  # fmt: skip
     return ServeOptions(model_dir=args.model_dir, max_tokens_cap=args.max_tokens_cap, queue_bound=args.queue_bound,
-                        watermark=args.watermark, served_model_names=names or [], max_lora_rank=args.max_lora_rank)
+                        watermark=args.watermark, served_model_names=names or [], max_lora_rank=args.max_lora_rank,
+                        membership=policy)  # fmt: skip
 
 
 def _load(cluster_path: str) -> tuple[Any, Any]:

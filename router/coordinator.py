@@ -14,6 +14,9 @@ module only connects it to the server:
 * Agents joining go through this loop first, so their fine-tuned tasks are loaded
   (:class:`router.tasks.TaskRegistry`) before any request is routed through them; deaths go straight
   to the core (fast failover) and to the task registry here.
+* With live membership (``membership``, :mod:`router.membership_driver`) the membership events
+  (joins, deaths, departures, LEAVING, LAYERS) go to it on this loop too, after the core had them;
+  it re-plans and :meth:`Coordinator.switch_plan` hands the core the new plan's router.
 """
 
 from __future__ import annotations
@@ -26,13 +29,15 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from helix import wire
 from helix.domain import Pipeline
 from helix.errors import HelixError, NoRouteError
 from helix.wire import TaskStatus
-from router.agent_events import AgentDied, AgentEvent, AgentJoined
+from router.agent_events import AgentDied, AgentEvent, AgentJoined, AgentLeft
 from router.agents_io import AgentsIO
 from router.core import CoordinatorCore
 from router.driver import CoreDriver
+from router.membership_driver import MembershipDriver
 from router.metrics import MetricsObserver, ServingMetrics
 from router.policy import Router
 from router.request import Finish, GenerationRequest, Request, RequestOutput, RequestStatus
@@ -95,6 +100,7 @@ class Coordinator:
         self._loop_thread: int | None = None
         self._streams: dict[str, _Stream] = {}
         self.startup_tasks: list[tuple[str, str]] = []  # (name, directory): loaded once the agents are connected
+        self.membership: MembershipDriver | None = None  # live membership (re-planning); None: a fixed plan
 
     @property
     def router(self) -> Router:
@@ -120,12 +126,34 @@ class Coordinator:
             self.on_loop(self._agent_joined, event)
             return
         self.driver.on_event(event)
-        if isinstance(event, AgentDied):
+        if isinstance(event, AgentDied | AgentLeft):
             self.on_loop(self.tasks.on_agent_dead, event.node)
+        if self.membership is not None and isinstance(event, AgentDied | AgentLeft | wire.Leaving | wire.Layers):
+            self.on_loop(self.membership.on_event, event)
 
     def _agent_joined(self, event: AgentJoined) -> None:
-        self.tasks.on_agent_alive(event.node)  # sent before any request is routed through it
+        if event.welcome.layer_end > event.welcome.layer_start:  # a joining node gets its tasks with its layers
+            self.tasks.on_agent_alive(event.node)  # sent before any request is routed through it
         self.driver.feed((event,))
+        if self.membership is not None:
+            self.membership.on_event(event)
+
+    def switch_plan(self, router: Router, flows: Mapping[tuple[str, str], float]) -> None:
+        """Route by a re-plan's ``router`` from now on (live membership)."""
+        self.driver.switch(router)
+        self.nodes = sorted(router.topology.placement)
+        self.tasks.nodes = list(self.nodes)
+        self.metrics.set_planned_flows(flows)
+
+    def cluster_view(self) -> dict[str, object]:
+        """``GET /v1/cluster``: the membership's versioned view, or the fixed plan's nodes."""
+        if self.membership is not None:
+            return self.membership.view()
+        placement = self.router.topology.placement
+        return {"version": 0, "plan": {"placement": {n: list(r) for n, r in placement.items()}},
+                "members": [{"node": n, "state": "dead" if n in self.router.dead else "serving",
+                             "layers": list(placement[n])} for n in self.nodes],
+                "reconfiguration": None, "live_membership": False}  # fmt: skip
 
     def task_status_threadsafe(self, status: TaskStatus) -> None:
         self.on_loop(self.tasks.on_status, status)
@@ -143,6 +171,8 @@ class Coordinator:
             await asyncio.sleep(interval_s)
             try:
                 self.driver.tick()
+                if self.membership is not None:
+                    self.membership.tick()
             except Exception:  # never let the watcher die
                 log.exception("coordinator tick failed")
 
@@ -151,9 +181,13 @@ class Coordinator:
         return self.core.ready
 
     def health_details(self) -> dict[str, object]:
-        return {"nodes": {n: n not in self.router.dead for n in self.nodes},
-                "running": self.core.running, "waiting": len(self.core.waiting),
-                "tasks": {t.name: str(t.state) for t in self.tasks.tasks.values()}}
+        details: dict[str, object] = {"nodes": {n: n not in self.router.dead for n in self.nodes},
+                                      "running": self.core.running, "waiting": len(self.core.waiting),
+                                      "tasks": {t.name: str(t.state) for t in self.tasks.tasks.values()}}
+        if self.membership is not None:
+            details |= {"plan_version": self.membership.membership.version,
+                        "unavailable": self.membership.membership.unavailable or None}
+        return details
 
     def refresh_metrics(self) -> None:
         kv = self.router.kv
@@ -161,6 +195,8 @@ class Coordinator:
                              kv_usage={n: kv.usage(n) for n in kv.nodes},
                              reports=self.io.kv_reports() if self.io is not None else {},
                              waiting=len(self.core.waiting), running=self.core.running)
+        if self.membership is not None:
+            self.metrics.membership(self.membership.membership.version, self.membership.membership.counts())
 
     # -- requests ----------------------------------------------------------------------------
 

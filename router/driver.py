@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 from router.agent_events import AgentEvent, KVReported
 from router.agents_io import AgentsIO
 from router.core import CoordinatorCore
+from router.policy import Router
 from router.request import Request, RequestOutput
 
 OutputSink = Callable[[Sequence[RequestOutput]], None]
@@ -61,6 +62,17 @@ class CoreDriver:
             now = time.monotonic()
             self.core.update_from_output(events, now)
             self._schedule(now, from_io=False)
+
+    def switch(self, router: Router) -> None:
+        """Route by ``router`` (a re-plan's) from now on (:meth:`CoordinatorCore.set_router`)."""
+        with self.lock:
+            self.core.set_router(router)
+            self._schedule(time.monotonic(), from_io=False)
+
+    def set_unavailable(self, reason: str) -> None:
+        """Why the cluster cannot serve the model (said in 503s); "" once it can again."""
+        with self.lock:
+            self.core.unavailable = reason
 
     def tick(self) -> None:
         """Expire requests that waited too long and start waiting ones (call a few times a second)."""

@@ -15,6 +15,7 @@ themselves, in the buckets the wire fixes, and send cumulatively in their heartb
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -137,10 +138,29 @@ class ServingMetrics:
                                    f"last {FLOW_WINDOW_S:.0f} s", ["src", "dst"], registry=r)
         self.edge_tokens = Counter("helix_edge_tokens", "Tokens that crossed each edge", ["src", "dst"], registry=r)
         self._edge_counters: dict[tuple[str, str], Any] = {}  # labels() looked up once per edge, not per token
+        self.plan_version = Gauge("helix_plan_version", "Version of the plan the coordinator routes by (0: the one "
+                                  "it started with; each re-plan routed takes a higher one)", registry=r)
+        self.members = Gauge("helix_cluster_members", "Member nodes by state (joining, serving, standby, leaving, "
+                             "dead)", ["state"], registry=r)
         self.flow = EdgeFlow()
+        self._planned: set[tuple[str, str]] = set()
+        self._nodes_shown: set[str] = set()
+        self.set_planned_flows(planned_flows)
+
+    def set_planned_flows(self, planned_flows: Mapping[tuple[str, str], float]) -> None:
+        """The routed plan's flow per edge (a re-plan's replaces the old; edges it lacks are dropped)."""
+        for edge in self._planned - set(planned_flows):
+            self.flow_planned.remove(*edge)
         for (src, dst), tok_s in planned_flows.items():
             self.flow_planned.labels(src, dst).set(tok_s)
             self.flow_observed.labels(src, dst).set(0.0)
+        self._planned = set(planned_flows)
+
+    def membership(self, version: int, members: Mapping[str, int]) -> None:
+        """The plan version and the member nodes by state (live membership)."""
+        self.plan_version.set(version)
+        for state, count in members.items():
+            self.members.labels(state).set(count)
 
     def tokens_moved(self, edges: Sequence[tuple[str, str]], tokens: int) -> None:
         self.flow.add(edges, tokens)
@@ -171,6 +191,9 @@ class ServingMetrics:
         self.ready.set(1.0 if ready else 0.0)
         self.waiting.set(waiting)
         self.running.set(running)
+        shown = set(alive) | set(kv_usage) | set(reports)
+        self._forget_nodes(self._nodes_shown - shown)  # no stale node after it left the cluster
+        self._nodes_shown = shown
         for node, up in alive.items():
             self.node_alive.labels(node).set(1.0 if up else 0.0)
         for node, ratio in kv_usage.items():
@@ -184,6 +207,16 @@ class ServingMetrics:
             self.node_steps.latest[node] = report.steps
         for (src, dst), rate in self.flow.rates().items():
             self.flow_observed.labels(src, dst).set(rate)
+
+    def _forget_nodes(self, nodes: Iterable[str]) -> None:
+        for node in nodes:
+            for gauge in (self.node_alive, self.kv_usage, self.node_queue, self.node_running):
+                with contextlib.suppress(KeyError):
+                    gauge.remove(node)
+            for kind in ("used", "reserved", "capacity"):
+                with contextlib.suppress(KeyError):
+                    self.kv_reported.remove(node, kind)
+            self.node_steps.latest.pop(node, None)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -26,6 +26,8 @@ from helix.spec import ClusterSpec
 from router.agents_io import AgentsIO
 from router.app import create_app
 from router.coordinator import Coordinator
+from router.membership_driver import MembershipDriver
+from router.membership_types import MembershipPolicy
 from router.policy import Router, plan_flows
 from router.tokenizer import ChatTokenizer, ensure_tokenizer_dir
 
@@ -47,6 +49,7 @@ class ServeOptions:
     watermark: float = 0.85
     served_model_names: Sequence[str] = ()
     max_lora_rank: int = 0  # a LoRA task of a higher rank is refused at registration; 0: no limit
+    membership: MembershipPolicy | None = None  # re-plan as nodes join, leave and die (router.membership); None: a fixed plan
 
 
 def build_coordinator(cluster: ClusterSpec, plan: Plan, profiles: ProfileSet | None,
@@ -71,6 +74,11 @@ def build_coordinator(cluster: ClusterSpec, plan: Plan, profiles: ProfileSet | N
     for name, path in cluster.task_paths():  # a bad directory or name stops the start, naming the file
         coordinator.tasks.check_new(name, path)
     coordinator.startup_tasks = cluster.task_paths()
+    if options.membership is not None:
+        if profiles is None:
+            raise ConfigError("re-planning as nodes come and go needs the cluster's profiles", field="profiles")
+        coordinator.membership = MembershipDriver(coordinator, cluster, plan, profiles, options.membership,
+                                                  num_layers=num_layers, watermark=options.watermark)  # fmt: skip
     return coordinator
 
 

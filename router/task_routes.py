@@ -43,6 +43,20 @@ class UnloadLoRAAdapterRequest(BaseModel):
     lora_int_id: int | None = None
 
 
+async def admin_body(request: Request, model: type[BaseModel]) -> BaseModel:
+    """An admin route's JSON body, validated by ``model`` (RequestError naming the field, or the size)."""
+    raw = await request.body()
+    if len(raw) > MAX_ADMIN_BODY_BYTES:
+        raise RequestError(f"request body is over the limit of {MAX_ADMIN_BODY_BYTES} bytes")
+    try:
+        return model.model_validate(json.loads(raw))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise RequestError(f"request body is not valid JSON: {exc}") from None
+    except ValidationError as exc:
+        message, param = describe_validation_errors(list(exc.errors()))
+        raise RequestError(message, param=param) from None
+
+
 def add_task_routes(app: FastAPI, coordinator: Coordinator, *, open_without_key: bool) -> None:
     """Add the two routes; ``open_without_key`` False refuses them (403) — set when the server is
     bound beyond loopback and no API key is configured."""
@@ -51,16 +65,7 @@ def add_task_routes(app: FastAPI, coordinator: Coordinator, *, open_without_key:
         if not open_without_key:
             raise HTTPException(403, "loading and unloading tasks on a server bound beyond loopback needs an API "
                                      "key (helix serve --api-key)")  # fmt: skip
-        raw = await request.body()
-        if len(raw) > MAX_ADMIN_BODY_BYTES:
-            raise RequestError(f"request body is over the limit of {MAX_ADMIN_BODY_BYTES} bytes")
-        try:
-            return model.model_validate(json.loads(raw))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise RequestError(f"request body is not valid JSON: {exc}") from None
-        except ValidationError as exc:
-            message, param = describe_validation_errors(list(exc.errors()))
-            raise RequestError(message, param=param) from None
+        return await admin_body(request, model)
 
     @app.post("/v1/load_lora_adapter")
     async def load_task(request: Request) -> PlainTextResponse:

@@ -10,7 +10,8 @@ the base model the cluster serves. :class:`TaskRegistry` runs in the coordinator
   served once every live agent answered TASK_STATUS ok; if one refuses (its error names the file
   and the tensor), the agents that loaded it unload it again and the task is not registered:
   nothing already serving changes. An agent that (re)connects later gets LOAD_TASK for every
-  registered task before the coordinator routes through it again.
+  registered task before the coordinator routes through it again; a node whose layers a re-plan
+  changes gets them again for its new layers before the switch (:meth:`TaskRegistry.reload`).
 * **unload**: new requests naming the task get 404 at once; the agents unbind it only after the
   task's last request in flight finished (:meth:`TaskRegistry.finished`).
 """
@@ -166,6 +167,19 @@ class TaskRegistry:
         for task in self.tasks.values():
             if task.state is not TaskState.UNLOADING:
                 self._send(node, wire.LoadTask(task.name, task.path, self.max_lora_rank))
+
+    async def reload(self, nodes: Collection[str]) -> str:
+        """Send every registered task to ``nodes`` again (a re-plan changed their layers: an agent binds a
+        task to the layers it holds); the first refusal, or "" when every node loaded every task."""
+        for task in list(self.tasks.values()):
+            if task.state is TaskState.UNLOADING or not nodes:
+                continue
+            statuses = await self._ask(list(nodes), wire.LoadTask(task.name, task.path, self.max_lora_rank))
+            failed = [s for s in statuses if not s.ok]
+            if failed:
+                return f"task {task.name!r} on {failed[0].node_id}: {failed[0].error}"
+            task.nbytes.update({s.node_id: s.nbytes for s in statuses})
+        return ""
 
     def on_agent_dead(self, node: str) -> None:
         for waiters in self._waiting.values():
