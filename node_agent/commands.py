@@ -11,6 +11,10 @@ them), every socket runs CURVE with the node's secret certificate (``--key``, de
 the agent warns that its links are neither encrypted nor authenticated. Once serving, the agent prints one line ``READY node=... control=... data=...`` to stdout.
 SIGTERM makes it leave: it drains for up to ``--drain-timeout-s`` (:mod:`node_agent.membership`),
 then exits 0; a second SIGTERM, or SIGINT, stops it at once.
+
+``--join URL`` (with ``--gpu``) starts a node joining a running cluster: no ``--plan``, the node
+need not be in the cluster file, no layers yet (``--no-layers``); once up it asks the coordinator
+at URL to take it in (:mod:`node_agent.join`), which dials it and gives it layers with SET_LAYERS.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +41,7 @@ log = logging.getLogger(__name__)
 
 def add_agent_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", required=True, help="cluster YAML")
-    p.add_argument("--plan", required=True, help="plan file (placement gives this node's layers)")
+    p.add_argument("--plan", help="plan file (placement gives this node's layers); not with --join")
     p.add_argument("--node", required=True, help="this node's id in the cluster")
     p.add_argument("--model-dir", help="HF-style model dir (config.json + safetensors); default: SmolLM2-135M")
     p.add_argument("--bind", help="control socket address (default: the node's address, else tcp://127.0.0.1:*)")
@@ -68,6 +73,14 @@ def add_agent_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-layers", action="store_true",
                    help="start holding no layers (a node joining a running cluster: the coordinator assigns its "
                         "range with SET_LAYERS); the node need not be in the plan's placement")
+    p.add_argument("--join", metavar="URL",
+                   help="join the running cluster of the coordinator at URL (http://HOST:PORT): start with no "
+                        "layers and ask it to take this node in (needs --gpu; the node need not be in the cluster "
+                        "file; the shared secret authenticates it as any agent)")
+    p.add_argument("--gpu", help="with --join: this node's GPU type (a key of the profiles' gpus)")
+    p.add_argument("--region", help="with --join: this node's region (default: the coordinator's)")
+    p.add_argument("--api-key-env", default="HELIX_API_KEY",
+                   help="with --join: env var holding the coordinator's API key, when it requires one")
     p.add_argument("--drain-timeout-s", type=float, default=30.0,
                    help="on SIGTERM the agent takes no new requests and finishes those it runs within this long, "
                         "refuses the rest (retryable: the coordinator re-prefills them elsewhere) and exits")
@@ -81,18 +94,28 @@ def add_agent_arguments(p: argparse.ArgumentParser) -> None:
 def run_agent(args: argparse.Namespace) -> int:
     from helix.loading import load_model
     from helix.plan import Plan
-    from helix.spec import load_cluster
+    from helix.spec import NodeSpec, load_cluster
 
     cluster = load_cluster(args.cluster)
-    node = cluster.node(args.node)
-    plan = load_model(Plan, args.plan)
-    if args.no_layers:
+    plan: Plan | None = None
+    if args.join:
+        if not args.gpu:
+            raise ConfigError("--join needs --gpu, the node's GPU type (a key of the profiles' gpus)", field="--gpu")
+        node = cluster.node(args.node) if args.node in cluster.node_ids else \
+            NodeSpec(id=args.node, gpu=args.gpu, region=args.region)
         start, end = 0, 0
-    elif args.node not in plan.placement:
-        raise ConfigError(f"node {args.node!r} holds no layers in this plan (--no-layers: start with none)",
-                          source=args.plan, field="placement")  # fmt: skip
+    elif not args.plan:
+        raise ConfigError("give the plan (--plan), or --join a running cluster", field="--plan")
     else:
-        start, end = plan.placement[args.node]
+        node = cluster.node(args.node)
+        plan = load_model(Plan, args.plan)
+        if args.no_layers:
+            start, end = 0, 0
+        elif args.node not in plan.placement:
+            raise ConfigError(f"node {args.node!r} holds no layers in this plan (--no-layers: start with none)",
+                              source=args.plan, field="placement")  # fmt: skip
+        else:
+            start, end = plan.placement[args.node]
     control = args.bind or node.address or "tcp://127.0.0.1:*"
     data = args.data_bind or any_port(control)
     secret = os.environ.get(args.secret_env, "")
@@ -112,7 +135,7 @@ def run_agent(args: argparse.Namespace) -> int:
             raise ConfigError(f"must be 0 or more, got {value}", field=flag)
     if args.model_dir is not None and not Path(args.model_dir).is_dir():
         raise EngineError(f"{args.model_dir}: model directory not found (--model-dir)")
-    if plan.model != cluster.model:
+    if plan is not None and plan.model != cluster.model:
         raise ConfigError(f"the plan is for model {plan.model!r} but the cluster {args.cluster} serves "
                           f"{cluster.model!r}", source=args.plan, field="model")  # fmt: skip
     model_dir = args.model_dir or str(_default_model_dir())
@@ -120,7 +143,16 @@ def run_agent(args: argparse.Namespace) -> int:
 
     backend = StageBackend(args.backend or node.backend, args.dtype or node.dtype, args.device or node.device)
     check_backend(args.node, backend, model_dir)
-    check_weights(cluster, model_dir, node=args.node, layers=(start, end), plan_source=args.plan)
+    check_weights(cluster, model_dir, node=args.node, layers=(start, end), plan_source=args.plan or args.cluster)
+    join = None
+    if args.join:
+        if security["peers"].curve:
+            raise ConfigError("nodes join only a cluster without CURVE keys (its agents' keys are fixed at start)",
+                              field="--join")  # fmt: skip
+        from node_agent.join import JoinRequest
+
+        join = JoinRequest(args.join, args.node, args.gpu, region=args.region or node.region,
+                           api_key=os.environ.get(args.api_key_env, ""))  # fmt: skip
     return serve_agent(node_id=args.node, layer_start=start, layer_end=end, model_dir=model_dir,
                        control_bind=control, data_bind=data, secret=secret.encode(),
                        kv_capacity_tokens=args.kv_capacity_tokens, max_batch_size=args.max_batch_size,
@@ -128,10 +160,11 @@ def run_agent(args: argparse.Namespace) -> int:
                        wire_dtype=args.wire_dtype, threads=args.threads, max_frame_bytes=args.max_frame_bytes,
                        step_log=args.step_log.replace("{node}", args.node) if args.step_log else None,
                        gather_window_ms=args.gather_window_ms, backend=backend, drain_timeout_s=args.drain_timeout_s,
-                       max_weight_bytes=args.max_weight_bytes, **security)  # fmt: skip
+                       max_weight_bytes=args.max_weight_bytes, on_ready=join.start if join else None,
+                       **security)  # fmt: skip
 
 
-def agent_security(cluster: ClusterSpec, plan: Plan, node: str, key_file: str | None,
+def agent_security(cluster: ClusterSpec, plan: Plan | None, node: str, key_file: str | None,
                    binds: list[str]) -> dict[str, Any]:  # fmt: skip
     """The agent's peer policy, key pair and predecessors (AgentConfig's fields) for ``node``: the key pair
     from ``key_file`` or ``<keys_dir>/<node>.key_secret`` when the cluster names keys; ConfigError naming
@@ -152,7 +185,7 @@ def agent_security(cluster: ClusterSpec, plan: Plan, node: str, key_file: str | 
                               f"only (its address in the cluster file, loopback without one)", source=cluster.source,
                               field="--bind")  # fmt: skip
     senders = predecessors(plan.placement, node, partial_handoffs=plan.partial_handoffs,
-                           links=set(cluster.resolved_links())) if node in plan.placement else set()  # fmt: skip
+                           links=set(cluster.resolved_links())) if plan and node in plan.placement else set()  # fmt: skip
     return {"peers": policy, "key_pair": key_pair, "predecessors": frozenset(senders)}
 
 
@@ -202,9 +235,9 @@ def serve_agent(*, node_id: str, layer_start: int, layer_end: int, model_dir: st
                 gather_window_ms: float | None = None, backend: StageBackend | None = None,
                 peers: PeerPolicy | None = None, key_pair: KeyPair | None = None,
                 predecessors: frozenset[str] = frozenset(), drain_timeout_s: float = 30.0,
-                max_weight_bytes: int | None = None) -> int:
-    """Load the stage (``layer_start == layer_end``: no layers yet), bind, print READY, serve until
-    SIGTERM (drain, then stop) or SIGINT."""
+                max_weight_bytes: int | None = None, on_ready: Callable[[str], object] | None = None) -> int:
+    """Load the stage (``layer_start == layer_end``: no layers yet), bind, print READY (then
+    ``on_ready(control address)``), serve until SIGTERM (drain, then stop) or SIGINT."""
     import torch
 
     from node_agent.agent import AgentConfig, NodeAgent
@@ -227,6 +260,8 @@ def serve_agent(*, node_id: str, layer_start: int, layer_end: int, model_dir: st
     agent.install_signals()
     print(f"READY node={node_id} layers={layer_start}:{layer_end} backend={engine.backend.name} control={agent.control_address} "
           f"data={agent.data_address}", flush=True)  # fmt: skip
+    if on_ready is not None:
+        on_ready(agent.control_address)
     agent.run()
     log.info("agent %s stopped (%d steps, %d tokens, %d rejected)", node_id, agent.stats.steps,
              agent.stats.tokens, agent.stats.rejected)

@@ -49,15 +49,23 @@ class AgentProcesses:
 
     def start_one(self, node: str, extra_args: Sequence[str] = ()) -> ChildProcess:
         """Spawn the agent of ``node`` (``extra_args`` after the common ones); returns before it is READY."""
+        return self._start(node, ["--plan", str(self.plan), *extra_args])
+
+    def start_joining(self, node: str, coordinator_url: str, gpu: str, *, api_key: str = "",
+                      extra_args: Sequence[str] = ()) -> ChildProcess:  # fmt: skip
+        """Spawn the agent of a node joining the running cluster of ``coordinator_url`` (``helix agent
+        --join``: no plan, no layers until the coordinator's re-plan gives it some)."""
+        return self._start(node, ["--join", coordinator_url, "--gpu", gpu, *extra_args], {"HELIX_API_KEY": api_key})
+
+    def _start(self, node: str, args: Sequence[str], env: dict[str, str] | None = None) -> ChildProcess:
         old = self.agents.get(node)
         control = old.ready.get("control") if old is not None and old.ready else None
         bind = control or f"tcp://{self.bind_hosts.get(node, LOOPBACK)}:*"
         cmd = [*self.command_prefix.get(node, ()), sys.executable, "-m", "helix.cli", "agent", "--cluster",
-               str(self.cluster), "--plan", str(self.plan), "--node", node, "--bind", bind, "--threads", "1",
-               *self.extra_args, *extra_args]  # fmt: skip
+               str(self.cluster), "--node", node, "--bind", bind, "--threads", "1", *self.extra_args, *args]  # fmt: skip
         if self.model_dir:
             cmd += ["--model-dir", self.model_dir]
-        return self.supervisor.start(node, cmd, env={"HELIX_SECRET": self.secret},
+        return self.supervisor.start(node, cmd, env={"HELIX_SECRET": self.secret, **(env or {})},
                                      log_path=self.workdir / f"agent-{node}.log")  # fmt: skip
 
     def wait_ready(self, timeout_s: float = 180.0, on_ready: Callable[[str], None] | None = None) -> dict[str, str]:
