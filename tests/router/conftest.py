@@ -122,9 +122,10 @@ def cluster_server() -> Callable[..., Iterator[ServingCluster]]:
 
 
 def serve_cluster(tmp_path_factory: pytest.TempPathFactory, demo_cluster: Path,
-                  agent_args: Sequence[str] = ()) -> Iterator[ServingCluster]:  # fmt: skip
+                  agent_args: Sequence[str] = (), *, options: Any = None) -> Iterator[ServingCluster]:  # fmt: skip
     """Agents of the test placement for ``demo_cluster``'s nodes (``agent_args`` added to each agent's
-    command line, e.g. ``--chunk-size 16``) and a coordinator serving them."""
+    command line, e.g. ``--chunk-size 16``) and a coordinator serving them (``options``: its
+    ``router.serving.ServeOptions``, default a fixed plan and ``max_tokens_cap=4096``)."""
     from helix.plan import load_plan
     from helix.profile import load_profiles_for
     from helix.spec import load_cluster
@@ -142,7 +143,7 @@ def serve_cluster(tmp_path_factory: pytest.TempPathFactory, demo_cluster: Path,
         addresses = agents.wait_ready(timeout_s=240)
         cluster = load_cluster(demo_cluster)
         coordinator = build_coordinator(cluster, load_plan(plan_path), load_profiles_for(cluster),
-                                        ServeOptions(max_tokens_cap=4096))
+                                        options or ServeOptions(max_tokens_cap=4096))
         app = create_server_app(coordinator, addresses, secret=secret.encode(), api_keys=[API_KEY])
         server = make_server(app, "127.0.0.1", 0)
         thread = threading.Thread(target=lambda: asyncio.run(server.serve()), name="uvicorn", daemon=True)
