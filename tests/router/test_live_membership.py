@@ -51,18 +51,20 @@ def elastic(tmp_path_factory: pytest.TempPathFactory, demo_cluster: Path, cluste
 @pytest.fixture(scope="module")
 def references(elastic: ServingCluster) -> dict[str, str]:
     """Each prompt's greedy answer on the undisturbed cluster."""
-    return {p: _answer(elastic, p)[0] for p in PROMPTS}
+    answers = {p: _answer(elastic, p)[0] for p in PROMPTS}
+    assert all(len(a) > 20 for a in answers.values()), answers
+    return answers
 
 
 def _answer(cluster: ServingCluster, prompt: str) -> tuple[str, list[list[str]]]:
     """Stream ``prompt``'s greedy answer; the text and the pipelines (node lists) it ran on."""
     parts, info = [], None
-    stream = cluster.client().completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                                 stream=True)  # fmt: skip
+    stream = cluster.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                                      max_tokens=MAX_TOKENS, temperature=0, stream=True)  # fmt: skip
     for chunk in stream:
         info = (chunk.model_extra or {}).get("helix") or info
-        if chunk.choices and chunk.choices[0].text:
-            parts.append(chunk.choices[0].text)
+        if chunk.choices and chunk.choices[0].delta.content:
+            parts.append(chunk.choices[0].delta.content)
     pipelines = [[s["node"] for s in p] for p in (info or {}).get("pipelines", [])]
     return "".join(parts), pipelines
 
@@ -145,7 +147,22 @@ def test_a_killed_agent_is_planned_around_after_the_grace_period(elastic: Servin
     assert f"helix_plan_version {float(view['version'])}" in metrics and 'helix_node_alive{node="cpu-0"}' not in metrics
 
 
-def test_a_joining_node_serves_after_the_switch(elastic: ServingCluster, references: dict[str, str]) -> None:
+def _task_answer(cluster: ServingCluster, prompt: str) -> tuple[str, list[str]]:
+    out = cluster.client().chat.completions.create(model="sea-lora", messages=[{"role": "user", "content": prompt}],
+                                                   max_tokens=MAX_TOKENS, temperature=0)  # fmt: skip
+    return out.choices[0].message.content or "", [s["node"] for s in out.model_extra["helix"]["pipelines"][-1]]
+
+
+def test_a_joining_node_serves_after_the_switch(elastic: ServingCluster, references: dict[str, str],
+                                                tmp_path: Path) -> None:  # fmt: skip
+    """... and a fine-tuned task loaded before it joined runs on its new layers alike."""
+    from node_agent.task_files import save_pet
+    from tests.router.pet_tasks import ATTENTION, load, random_lora, smollm2_hf
+
+    lora = save_pet(tmp_path / "sea-lora", "lora", random_lora(smollm2_hf(), seed=3, rank=4, modules=ATTENTION))
+    assert load(elastic, "sea-lora", lora).status_code == 200
+    task_reference = _task_answer(elastic, PROMPTS[0])[0]
+    assert task_reference != references[PROMPTS[0]]
     version = _view(elastic)["version"]
     elastic.agents.start_joining("cpu-3", elastic.base_url, "cpu", api_key=API_KEY)
     elastic.wait_until(lambda: "cpu-3" in _view(elastic)["plan"]["placement"] and _settled(elastic),
@@ -160,6 +177,12 @@ def test_a_joining_node_serves_after_the_switch(elastic: ServingCluster, referen
         if "cpu-3" in used:
             break
     assert "cpu-3" in used
+    for _ in range(12):  # the task too
+        text, nodes = _task_answer(elastic, PROMPTS[0])
+        assert text == task_reference
+        if "cpu-3" in nodes:
+            break
+    assert "cpu-3" in nodes
 
 
 def test_an_agent_leaving_on_sigterm_loses_no_request(elastic: ServingCluster, references: dict[str, str]) -> None:
