@@ -1,4 +1,5 @@
-"""The planner's CLI commands: ``helix plan``, ``helix evaluate`` and ``helix show``.
+"""The planner's CLI commands: ``helix plan`` (``--from``: re-planning, ``planner.replan``), ``helix evaluate``
+and ``helix show``.
 
 ``helix.cli`` imports this module only when one of these commands runs. Output is for a
 person (rich tables on stdout, a live progress line on stderr) unless ``--json``, which
@@ -20,7 +21,7 @@ from rich.text import Text
 
 from helix.console import print_table
 from helix.errors import ConfigError, HelixError
-from helix.plan import Plan, node_inflow
+from helix.plan import Plan, load_placement, node_inflow
 from helix.profile import ProfileSet, load_profiles_for
 from helix.spec import ClusterSpec, load_cluster
 from planner.api import (
@@ -48,8 +49,10 @@ def _load(path: str) -> tuple[ClusterSpec, ProfileSet]:
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("cluster", help="cluster YAML (profiles are found from it)")
     p.add_argument("--method", default="helix", choices=METHODS, help="planner (default: helix, our optimizer)")
-    p.add_argument("--objective", default="serving", choices=OBJECTIVES, help="what the helix method optimizes")
-    p.add_argument("--time-limit", type=float, default=60.0, metavar="S", help="solve time limit in seconds")
+    p.add_argument("--objective", default=None, choices=OBJECTIVES,
+                   help="what the helix method optimizes (default serving; with --from, the plan's)")
+    p.add_argument("--time-limit", type=float, default=None, metavar="S",
+                   help="solve time limit in seconds (default 60; 10 with --from)")
     p.add_argument("--threads", type=int, default=2, metavar="N", help="solver threads (default 2)")
     p.add_argument("--no-partial", action="store_true", help="no partial-layer hand-offs (next node starts where the last ended)")
     p.add_argument("--prune-links", type=float, default=0.0, metavar="FRAC", help="drop the slowest FRAC of each node's links")
@@ -62,6 +65,14 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="random seed of the search")
     p.add_argument("--no-simulate", action="store_true",
                    help="end the serving search without re-ranking its best placements by short simulations")
+    p.add_argument("--from", dest="from_plan", metavar="PLAN",
+                   help="re-plan: start from this plan; CLUSTER is the new membership (nodes missing from it left, "
+                        "nodes new to it join); few layers move, and the moves are listed (docs/planner.md)")
+    p.add_argument("--move-cost", type=float, default=0.002, metavar="C",
+                   help="--from: the price of one layer a node must load, as a share of the objective (default 0.002)")
+    p.add_argument("--fallback-below", type=float, default=0.95, metavar="R",
+                   help="--from: use the plan from scratch when the incremental one's objective is below R times "
+                        "its (default 0.95; 0: never plan from scratch)")
     p.add_argument("--compare", action="store_true", help="also show the baselines' max flow beside ours")
     p.add_argument("--json", action="store_true", help="print only the plan JSON to stdout")
     p.add_argument("-o", "--output", metavar="PLAN", help="write the plan to this file (.json or .yaml)")
@@ -131,10 +142,14 @@ def _warn(lines: list[str]) -> None:
 def run_plan(args: argparse.Namespace) -> int:
     if args.threads < 1:
         raise ConfigError("must be at least 1", field="--threads")
+    if args.time_limit is None:
+        args.time_limit = 10.0 if args.from_plan else 60.0
     if args.time_limit <= 0:
         raise ConfigError("must be positive", field="--time-limit")
     deadline = Deadline.after(args.time_limit)  # the limit covers loading and planning
     cluster, profiles = _load(args.cluster)
+    if args.from_plan:
+        return run_replan(args, cluster, profiles, deadline)
     warm = None
     if args.warm_start:
         loaded, warnings = load_for_evaluation(args.warm_start, cluster, profiles)
@@ -145,7 +160,7 @@ def run_plan(args: argparse.Namespace) -> int:
             cluster,
             profiles,
             method=args.method,
-            objective=args.objective,
+            objective=args.objective or "serving",
             time_limit_s=args.time_limit,
             threads=args.threads,
             partial_handoffs=not args.no_partial,
@@ -171,6 +186,28 @@ def run_plan(args: argparse.Namespace) -> int:
         print_compare(console, plan, cluster, profiles, partial_handoffs=not args.no_partial)
     if args.output:
         console.print(f"plan written to [bold]{args.output}[/]")
+    return 0
+
+
+def run_replan(args: argparse.Namespace, cluster: ClusterSpec, profiles: ProfileSet, deadline: Deadline) -> int:
+    """``helix plan CLUSTER --from PLAN``: re-plan for the new membership, print the moves and the plan."""
+    from planner.replan import ReplanOptions, replan  # imported when used: it pulls in the solvers
+    from planner.replan_view import print_moves
+
+    current = load_placement(args.from_plan, cluster=cluster.name, model=cluster.model)
+    options = ReplanOptions(objective=args.objective, time_limit_s=args.time_limit, move_cost=args.move_cost,
+                            fallback_below=args.fallback_below, partial_handoffs=not args.no_partial, seed=args.seed)
+    result = replan(cluster, profiles, current, options, deadline=deadline)
+    if args.output:
+        result.plan.save(args.output)
+    if args.json:
+        sys.stdout.write(result.plan.to_json() + "\n")
+        return 0
+    console = Console(highlight=False)
+    print_moves(console, result, {n.id: n.gpu for n in cluster.nodes})
+    print_plan(console, result.plan, cluster, profiles)
+    if args.output:
+        console.print(f"plan written to [bold]{args.output}[/] (the moves under stats.replan)")
     return 0
 
 

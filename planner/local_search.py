@@ -18,15 +18,20 @@
   search then chased placements whose judge-flow estimate the model overrates, and on
   single24 its plan simulated worse under both flows; docs/notes/judge-mechanisms.md 13.)
 
+An evaluator with a ``penalty`` (re-planning, ``planner.replan``: the price of the layers a
+placement makes nodes load) scores the objective less that cost; the search then drops the
+max-flow pruning and the serving objective's minimum gain (the penalty's part is exact).
+
 :func:`improve` is an iterated local search: node moves (shift, grow/shrink one end, copy
-another node's range, swap two nodes' ranges), steered at the bottleneck layers, first
-improvement, random restarts from perturbed incumbents, deterministic for a seed.
+another node's range, swap two nodes' ranges, and with an ``anchor`` the way back to each
+node's range there, boundary shifts, ejection chains and shifted blocks moved back), steered at the bottleneck layers, first improvement, random restarts
+from perturbed incumbents, deterministic for a seed.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 from helix.domain import LayerRange, Placement
@@ -62,6 +67,7 @@ class Evaluator:
     coverage_exact: bool = False
     deadline: Deadline | None = None  # the serving evaluation's QP/LP get at most the time left
     judge_flows: bool = True  # serving: score the mean of the estimates under balanced and judge flows
+    penalty: Callable[[Placement, float], float] | None = None  # (placement, objective) -> cost subtracted from it
 
     def __post_init__(self) -> None:
         self.coverage_exact = self.partial_handoffs and self.cap.links_uniform() and self.objective == "max-flow"
@@ -102,6 +108,8 @@ class Evaluator:
                 decode = 0.5 * (decode + judged.decode_tok_s)
             out = Scored(dict(pl), (round(decode, 3), round(est.decode_tok_s, 3), round(value, 6), -tight), value, est,
                          edges, judged)
+        if self.penalty is not None:  # the objective less the cost of reaching the placement (planner.replan)
+            out.key = (round(out.key[0] - self.penalty(pl, out.key[0]), 6), *out.key[1:])
         if len(self.cache) > 200_000:
             self.cache.clear()
         self.cache[k] = replace(out, flows=None) if out.flows is not None else out
@@ -119,6 +127,21 @@ def _moves(cap: CapacityModel, pl: Placement, node: str, rng: random.Random, oth
         out.append(pl[other])
     out.append((max(0, s - (top - k) // 2), min(L, max(0, s - (top - k) // 2) + top)))
     return [LayerRange(a, b) for a, b in out if 0 <= a < b <= L and b - a <= top and (a, b) != (s, e)]
+
+
+def _anchor_moves(cap: CapacityModel, pl: Placement, node: str, anchor: Placement) -> list[LayerRange]:
+    """Back towards the node's range in ``anchor``: that range, and the current length placed to keep
+    as much of it as it can (the re-planning search's way back to the current placement)."""
+    home = anchor.get(node)
+    if home is None or pl[node] == home:
+        return []
+    k, L = pl[node][1] - pl[node][0], cap.num_layers
+    lo, hi = sorted((home.start, home.end - k))  # starts that keep all of home, or all of the range in home
+    start = min(max(pl[node][0], lo), hi, L - k)
+    out = [home] if home.num_layers <= cap.max_layers[node] else []
+    if (start, start + k) not in (home, pl[node]):
+        out.append(LayerRange(start, start + k))
+    return out
 
 
 def _bottleneck_moves(cap: CapacityModel, pl: Placement, rng: random.Random) -> list[tuple[str, LayerRange]]:
@@ -172,6 +195,75 @@ def group_moves(cap: CapacityModel, pl: Placement) -> list[Placement]:
     return out
 
 
+def block_back_moves(cap: CapacityModel, pl: Placement, anchor: Placement) -> list[Placement]:
+    """Runs of adjacent ranges (each ending where the next starts) that all sit ``d`` layers from their
+    ranges in ``anchor``, each moved back as one block; the node that ends where the block starts and
+    the one that starts where it ends follow its new ends. A shifted chain of stages goes back only
+    that way (one node alone back overlaps or uncovers a neighbour)."""
+    shift = {n: r.start - anchor[n].start for n, r in pl.items()
+             if n in anchor and r != anchor[n] and r.num_layers == anchor[n].num_layers}
+    chain = sorted((r.start, n) for n, r in pl.items() if n in shift)
+    runs: list[list[str]] = []
+    for _, n in chain:
+        last = runs[-1][-1] if runs else None
+        if last is not None and pl[last].end == pl[n].start and shift[last] == shift[n]:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    out: list[Placement] = []
+    for run in runs:
+        head, tail, d = pl[run[0]], pl[run[-1]], shift[run[0]]
+        moved = {**pl, **{n: anchor[n] for n in run}}
+        for n, (s, e) in pl.items():
+            if n in run:
+                continue
+            if e == head.start and s < head.start - d:  # the node before follows the block's start
+                moved[n] = LayerRange(s, head.start - d)
+            elif s == tail.end and e > tail.end - d:  # the node after follows its end
+                moved[n] = LayerRange(tail.end - d, e)
+        if all(0 <= a < b <= cap.num_layers and b - a <= cap.max_layers[n] for n, (a, b) in moved.items()):
+            out.append(moved)
+    return out
+
+
+def ripple_moves(cap: CapacityModel, pl: Placement) -> list[Placement]:
+    """Ejection chains along adjacent ranges, from the nodes that hold the thinnest layers: such a node
+    gives up its first (last) layer, the node that ends where it starts (starts where it ends) takes it
+    over, and either grows by it (the chain ends) or passes its own far layer on the same way. One
+    placement per depth and direction. A chain of stages re-balances only through such moves (each
+    step alone lowers the flow); re-planning's search uses them."""
+    cov = cap.coverage(pl)
+    low = min(cov)
+    tight = {n for n, (s, e) in pl.items() if any(cov[layer] <= low * (1 + 1e-9) for layer in range(s, e))}
+    ends: dict[int, list[str]] = {}
+    starts: dict[int, list[str]] = {}
+    for n, (s, e) in sorted(pl.items()):
+        ends.setdefault(e, []).append(n)
+        starts.setdefault(s, []).append(n)
+    out: list[Placement] = []
+    for node in sorted(tight):
+        for step in (-1, 1):  # -1: give the first layer to the node before; +1: the last to the node after
+            s, e = pl[node]
+            if e - s < 2:
+                continue
+            moved = dict(pl)
+            moved[node] = LayerRange(s + 1, e) if step < 0 else LayerRange(s, e - 1)
+            edge, seen = (s if step < 0 else e), {node}
+            while True:
+                nxt = [n for n in (ends if step < 0 else starts).get(edge, []) if n not in seen]
+                if not nxt:
+                    break
+                n = nxt[0]
+                seen.add(n)
+                a, b = pl[n]
+                grown = LayerRange(a, b + 1) if step < 0 else LayerRange(a - 1, b)
+                if grown.num_layers <= cap.max_layers[n]:
+                    out.append({**moved, n: grown})
+                moved[n] = LayerRange(a + 1, b + 1) if step < 0 else LayerRange(a - 1, b - 1)
+                edge = a if step < 0 else b
+    return out
+
+
 def neighbourhood(cap: CapacityModel, pl: Placement, rng: random.Random, *, nodes: int = 6) -> list[Placement]:
     """A placement's neighbours, distinct and different from it: :func:`group_moves`, then the local
     search's own moves (bottleneck moves, shifts, grow/shrink, copies) of ``nodes`` random nodes."""
@@ -191,6 +283,18 @@ def neighbourhood(cap: CapacityModel, pl: Placement, rng: random.Random, *, node
     return unique
 
 
+def _candidates(pl: Placement, cand: list[tuple[str, LayerRange]], swap: Placement | None,
+                extra: list[Placement]) -> Iterator[Placement]:
+    """The placements to try, in order: one node moved (``""``: the two-node swap), then ``extra``."""
+    for node, r in cand:
+        if node == "":
+            assert swap is not None
+            yield swap
+        else:
+            yield {**pl, node: r}
+    yield from extra
+
+
 def improve(
     ev: Evaluator,
     start: Placement,
@@ -200,13 +304,15 @@ def improve(
     target: float | None = None,
     on_improve: Callable[[Scored], None] | None = None,
     max_evaluations: int | None = None,
+    anchor: Placement | None = None,
 ) -> Scored:
     """Iterated first-improvement local search from ``start`` until ``deadline`` expires (its
     time, or its ``stop`` test: a stalled search), ``target`` is reached or after
-    ``max_evaluations``."""
+    ``max_evaluations``. With an ``anchor`` (re-planning: the placement the nodes hold now), every
+    node's moves include going back towards its range there (:func:`_anchor_moves`)."""
     rng = random.Random(seed)
     cap = ev.cap
-    prune = ev.objective == "max-flow" and not ev.coverage_exact
+    prune = ev.objective == "max-flow" and not ev.coverage_exact and ev.penalty is None
     cur = ev.score(start)
     best = cur
     nodes = list(start)
@@ -222,6 +328,8 @@ def improve(
         for node in rng.sample(nodes, min(6, len(nodes))):
             others = [n for n in nodes if n != node]
             cand.extend((node, r) for r in _moves(cap, cur.placement, node, rng, others))
+            if anchor is not None:
+                cand.extend((node, r) for r in _anchor_moves(cap, cur.placement, node, anchor))
         swap: Placement | None = None  # exchange two nodes' ranges (the "" candidate)
         if len(nodes) > 1 and rng.random() < 0.5:
             a, b = rng.sample(nodes, 2)
@@ -230,21 +338,18 @@ def improve(
                 swap = dict(cur.placement)
                 swap[a], swap[b] = rb, ra
                 cand.append(("", LayerRange(0, 0)))
-        for node, rng_ in cand:
+        extra = [] if anchor is None else [*group_moves(cap, cur.placement), *ripple_moves(cap, cur.placement),
+                                           *block_back_moves(cap, cur.placement, anchor)]
+        for pl in _candidates(cur.placement, cand, swap, extra):
             if deadline.expired():
                 break
-            if node == "":
-                assert swap is not None
-                pl = swap
-            else:
-                pl = dict(cur.placement)
-                pl[node] = rng_
             if not ev.valid(pl):
                 continue
             if prune and min(cap.coverage(pl)) < cur.max_flow * (1 - 1e-12):
                 continue  # min coverage bounds the max flow: this move cannot raise it
             sc = ev.score(pl)
-            if sc.key > cur.key and (ev.objective != "serving" or sc.key[0] > cur.key[0] * (1 + SERVING_MIN_GAIN)):
+            if sc.key > cur.key and (ev.objective != "serving" or ev.penalty is not None  # a priced move's gain is exact
+                                     or sc.key[0] > cur.key[0] * (1 + SERVING_MIN_GAIN)):
                 cur = sc
                 improved = True
                 break
