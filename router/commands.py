@@ -89,7 +89,7 @@ def _api_keys(args: argparse.Namespace) -> list[str]:
     return [*args.api_key, *env]
 
 
-def _options(args: argparse.Namespace, names: list[str] | None = None) -> Any:
+def _options(args: argparse.Namespace, names: list[str] | None = None, *, curve: Any = None) -> Any:
     from router.serving import ServeOptions
 
     if args.max_lora_rank < 0:
@@ -99,7 +99,10 @@ def _options(args: argparse.Namespace, names: list[str] | None = None) -> Any:
     for flag in ("replan_grace_s", "replan_interval_s", "replan_time_limit_s"):
         if getattr(args, flag) < 0 or (flag == "replan_time_limit_s" and args.replan_time_limit_s == 0):
             raise ConfigError(f"must be positive, got {getattr(args, flag)}", field="--" + flag.replace("_", "-"))
-    policy = None if args.no_replan else MembershipPolicy(grace_s=args.replan_grace_s,
+    if curve is not None and not args.no_replan:  # an agent admits the data-plane keys of its plan's predecessors
+        log.warning("the cluster runs CURVE keys: the plan stays fixed (no re-planning as nodes come and go; "
+                    "an agent lets in only the predecessors of the plan it started with)")
+    policy = None if args.no_replan or curve is not None else MembershipPolicy(grace_s=args.replan_grace_s,
                                                           min_interval_s=args.replan_interval_s,
                                                           replan_time_limit_s=args.replan_time_limit_s)  # fmt: skip
     return ServeOptions(model_dir=args.model_dir, max_tokens_cap=args.max_tokens_cap, queue_bound=args.queue_bound,
@@ -150,7 +153,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if curve is None and (remote or reply_host not in LOOPBACK_HOSTS):
         log.warning("agents beyond loopback without CURVE keys: activations and tokens travel unencrypted and "
                     "unauthenticated (run `helix keys`, docs/gpu.md)")
-    coordinator = build_coordinator(cluster, plan, profiles, _options(args, args.served_model_name))
+    coordinator = build_coordinator(cluster, plan, profiles, _options(args, args.served_model_name, curve=curve))
     app = create_server_app(coordinator, addresses, secret=os.environ.get(args.secret_env, "").encode(),
                             api_keys=keys, dead_after_s=args.dead_after_s, loopback=args.host in LOOPBACK_HOSTS,
                             reply_host=reply_host, curve=curve)  # fmt: skip
@@ -241,7 +244,7 @@ def _serve_demo(console: Any, args: argparse.Namespace, cluster: Any, plan: Any,
     from router.serving import build_coordinator, create_server_app, make_server
 
     keys = _api_keys(args)
-    coordinator = build_coordinator(cluster, plan, profiles, _options(args))
+    coordinator = build_coordinator(cluster, plan, profiles, _options(args, curve=curve))
     app = create_server_app(coordinator, addresses, secret=secret, api_keys=keys, dead_after_s=args.dead_after_s,
                             curve=curve)
     server: Any = make_server(app, "127.0.0.1", args.port)
