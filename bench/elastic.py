@@ -2,6 +2,10 @@
 
     python bench/elastic.py [--only planner] [--objective max-flow|serving|both] [--nodes a100-6,t4-1]
                             [--time-limit 10] [--scratch-limit 30] [--full-limit 60] [--rounds 1] [--quick]
+    python bench/elastic.py --only cluster [--clients 16] [--max-tokens 64] [--victim cpu-0] [--rounds 1]
+
+**cluster** — the demo cluster serving while a node dies and a replacement joins
+(``bench/elastic_cluster.py``: its docstring says how, and the targets).
 
 **planner** — the planner alone on the paper's 24-node cluster (``clusters/helix-paper-single24``).
 Starting from our plan of the full cluster (``make_plan``, the objective named, ``--full-limit``
@@ -50,6 +54,7 @@ from planner.moves import layers_moved, relabel, renamed  # noqa: E402
 from planner.replan import ReplanOptions, replan, without_nodes  # noqa: E402
 
 sys.path.insert(1, str(ROOT / "bench"))  # after the packages: bench/planner.py must not shadow planner/
+from elastic_cluster import add_cluster_arguments, bench_cluster  # noqa: E402
 from harness import RoundLog, Target, add_rounds_option, format_value, make_console, report  # noqa: E402
 
 SINGLE24 = ROOT / "clusters" / "helix-paper-single24" / "cluster.yaml"
@@ -153,7 +158,9 @@ def bench_planner(args: argparse.Namespace, objective: str) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=("planner",), default="planner", help="which part (the planner alone, for now)")
+    ap.add_argument("--only", choices=("planner", "cluster"), default="planner",
+                    help="which part: the planner alone on single24, or the demo cluster serving (bench/elastic_cluster.py)")
+    add_cluster_arguments(ap)
     ap.add_argument("--objective", choices=("max-flow", "serving", "both"), default="both")
     ap.add_argument("--nodes", help="comma-separated nodes to remove (default: every node)")
     ap.add_argument("--time-limit", type=float, default=TIME_TARGET_S, help="re-plan time limit, s (default 10)")
@@ -164,6 +171,9 @@ def main() -> int:
     args = ap.parse_args()
     args.scratch_limit = args.scratch_limit or (10.0 if args.quick else 30.0)
     args.full_limit = args.full_limit or (20.0 if args.quick else 60.0)
+    if args.only == "cluster":
+        bench_cluster(args)
+        return 0
     for objective in ("max-flow", "serving") if args.objective == "both" else (args.objective,):
         bench_planner(args, objective)
     return 0

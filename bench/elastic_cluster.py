@@ -2,10 +2,8 @@
 while clients stream; the coordinator re-plans as it would in production (``helix serve``'s default
 policy: 5 s grace after a death, 5 s planner limit).
 
-    python bench/elastic_cluster.py [--clients 16] [--max-tokens 64] [--victim cpu-0] [--rounds 1]
-
-(``bench/elastic.py`` is the planner's part on the paper's 24-node cluster; ``bench_cluster`` and
-``add_cluster_arguments`` are what it calls for this one.)
+    python bench/elastic.py --only cluster [--clients 16] [--max-tokens 64] [--victim cpu-0] [--rounds 1]
+    python bench/elastic_cluster.py ...     (the same)
 
 One round:
 
