@@ -42,6 +42,7 @@ from router.metrics import MetricsObserver, ServingMetrics
 from router.policy import Router
 from router.request import Finish, GenerationRequest, Request, RequestOutput, RequestStatus
 from router.stops import StopMatcher
+from router.task_placement import PlacementPolicy
 from router.tasks import TaskRegistry
 from router.tokenizer import ChatTokenizer, IncrementalDetokenizer
 
@@ -82,7 +83,8 @@ class Coordinator:
 
     def __init__(self, router: Router, tokenizer: ChatTokenizer, *, model_names: list[str],
                  max_context_tokens: int, max_tokens_cap: int, planned_flows: Mapping[tuple[str, str], float],
-                 queue_bound: int = 256, admission_timeout_s: float = 30.0, max_lora_rank: int = 0) -> None:
+                 queue_bound: int = 256, admission_timeout_s: float = 30.0, max_lora_rank: int = 0,
+                 task_placement: PlacementPolicy = PlacementPolicy.ALL) -> None:
         self.tokenizer = tokenizer
         self.model_names = model_names
         self.max_context_tokens = max_context_tokens
@@ -90,7 +92,9 @@ class Coordinator:
         self.metrics = ServingMetrics(planned_flows, base_label=model_names[0])
         self.started_s = int(time.time())
         self.nodes = sorted(router.topology.placement)
-        self.tasks = TaskRegistry(model_names, self.nodes, max_lora_rank=max_lora_rank)
+        self.tasks = TaskRegistry(model_names, self.nodes, max_lora_rank=max_lora_rank, placement=router.task_nodes,
+                                  policy=task_placement)
+        self.tasks.layers = router.topology.placement
         self.core = CoordinatorCore(router, stop_token_ids=tokenizer.eos_token_ids, queue_bound=queue_bound,
                                     admission_timeout_s=admission_timeout_s, observer=MetricsObserver(self.metrics),
                                     tasks=_LoopTasks(self.tasks, self), default_task_label=model_names[0])
@@ -143,6 +147,7 @@ class Coordinator:
         self.driver.switch(router)
         self.nodes = sorted(router.topology.placement)
         self.tasks.nodes = list(self.nodes)
+        self.tasks.layers = router.topology.placement
         self.metrics.set_planned_flows(flows)
 
     def cluster_view(self) -> dict[str, object]:

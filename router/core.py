@@ -1,7 +1,7 @@
 """The coordinator core: every request's whole life, as a pure step-driven state machine.
 
 It owns admission (a bounded FIFO queue with a deadline), routing (:class:`router.policy.Router`:
-IWRR over the plan's flows, dead and KV-full nodes masked), request and attempt ids, the decision
+IWRR over the plan's flows; dead, KV-full and task-less nodes masked), request and attempt ids, the decision
 to send each next step, stop conditions and finish reasons, and failover (a request whose
 pipeline broke is re-prefilled on a new one from its prompt and the tokens generated so far).
 No sockets, threads, clocks or asyncio: the caller passes ``now`` and carries the messages.
@@ -55,6 +55,7 @@ from router.core_interfaces import CoreObserver, CoreOutput, QuietObserver, Task
 from router.holdings import AgentHoldings
 from router.policy import Router, RouteRequest
 from router.request import Finish, Request, RequestOutput, RequestStatus
+from router.waiting import start_waiting
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,9 @@ class CoordinatorCore:
             raise NoRouteError(f"no complete pipeline is available ({self._why_down()})")
         if request.request_id in self.requests:
             raise RequestError(f"request {request.request_id!r} is already in flight", param="request_id")
+        if not pinned and (task_down := self.router.task_unroutable(params.task)):
+            self.observer.rejected("no_route")
+            raise NoRouteError(task_down)
         if params.task and self.tasks is not None:
             if self.tasks.servable(params.task) is None:
                 raise UnknownTaskError(f"the model '{params.task}' does not exist here (no such task is loaded)",
@@ -208,7 +212,8 @@ class CoordinatorCore:
                 return False
         else:
             try:
-                pipeline = self.router.route(RouteRequest(request.request_id, len(prompt), request.remaining_tokens))
+                pipeline = self.router.route(RouteRequest(request.request_id, len(prompt), request.remaining_tokens,
+                                                          request.params.task))
             except NoRouteError:
                 return False
         request.attempt += 1
@@ -233,15 +238,8 @@ class CoordinatorCore:
         self._next_expiry = min((r.deadline_s for r in self.waiting), default=float("inf"))
 
     def _start_waiting(self) -> None:
-        """Start waiting requests in FIFO order while routes are free."""
-        while self.waiting:
-            request = self.waiting[0]
-            if request.status.finished:
-                self.waiting.popleft()
-            elif self._try_start(request):
-                self.waiting.popleft()
-            else:
-                return
+        """Start waiting requests in FIFO order while routes are free (:func:`router.waiting.start_waiting`)."""
+        start_waiting(self.waiting, self._try_start, lambda task: self.router.task_nodes.holders(task) is not None)
 
     # -- per token -------------------------------------------------------------------------------
 
@@ -304,6 +302,8 @@ class CoordinatorCore:
             self._fail(request, NoRouteError(f"request given up after {request.attempt} pipelines failed ({why})"))
         elif not self.ready:
             self._fail(request, NoRouteError(f"{why}: no complete pipeline is left ({self._why_down()})"))
+        elif task_down := self.router.task_unroutable(request.params.task):
+            self._fail(request, NoRouteError(f"{why}: {task_down}"))
         elif not self._try_start(request):
             request.status, request.deadline_s = RequestStatus.WAITING, float("inf")
             self.waiting.appendleft(request)  # KV-masked for now: first in line
@@ -362,6 +362,10 @@ class CoordinatorCore:
             while self.waiting:
                 self._fail(self.waiting.popleft(), NoRouteError(f"no complete pipeline is left "
                                                                 f"({self._why_down()})"))  # fmt: skip
+        for request in list(self.waiting):  # requests for a task whose holders are gone
+            if task_down := self.router.task_unroutable(request.params.task):
+                self.waiting.remove(request)
+                self._fail(request, NoRouteError(task_down))
 
     def _on_leaving(self, node: str) -> None:
         """``node`` drains: route no new request through it; those it runs finish there."""

@@ -9,6 +9,10 @@ the :class:`~router.pipeline.Topology` of the placement and a
 Nodes are masked two ways: ``dead`` (gone: not routed, not reached) and ``draining`` (leaving, or
 whose layers move: not routed, but still finishing the requests they run). A re-plan builds a new
 router and :meth:`Router.adopt` hands it the old one's requests in flight.
+
+A request for a fine-tuned task is routed only through the nodes holding the task's PET
+(``task_nodes``, :class:`router.task_placement.TaskPlacement`: by default every node holds every
+task); :meth:`Router.task_unroutable` says why a task has no route through them.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from helix.spec import ClusterSpec
 from router.iwrr import IWRR
 from router.kv import DEFAULT_WATERMARK, KVEstimator
 from router.pipeline import Chooser, Topology, build_pipeline
+from router.task_placement import TaskPlacement
 
 
 @dataclass(slots=True)
@@ -33,6 +38,7 @@ class RouteRequest:
     request_id: object
     prompt_tokens: int
     expected_output_tokens: float | None = None  # None: the estimator's default
+    task: str = ""  # a fine-tuned task: routed only through nodes holding it ("": the base model)
 
 
 def plan_flows(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet | None) -> dict[tuple[str, str], float]:
@@ -71,13 +77,16 @@ class Router:
         *,
         mask_kv: bool = True,
         chooser: Chooser | None = None,
+        task_nodes: TaskPlacement | None = None,
     ) -> None:
         self.topology = topology
+        self.task_nodes = task_nodes if task_nodes is not None else TaskPlacement()
         self.kv = kv
         self.mask_kv = mask_kv
         self.dead: set[str] = set()
         self.draining: set[str] = set()
         self.pipelines: dict[object, Pipeline] = {}
+        self.task_of: dict[object, str] = {}  # request id -> its fine-tuned task, while its pipeline is held
         self.iwrr: dict[str, IWRR] = {
             v: IWRR(succ, [flows.get((v, c), 0.0) for c in succ]) for v, succ in topology.successors.items()
         }
@@ -120,7 +129,7 @@ class Router:
         """Build ``request``'s pipeline and reserve its KV; NoRouteError if none exists now."""
         kv = self.kv
         tokens = kv.tokens_for(request.prompt_tokens, request.expected_output_tokens)
-        dead = self._masked()
+        dead = self._masked(request.task)
         if self.mask_kv:
             fits = kv.fits
 
@@ -134,20 +143,31 @@ class Router:
         pipeline = build_pipeline(self.topology, self._choose, admissible)
         kv.reserve(request.request_id, [(s.node, s.layer_end - s.layer_start) for s in pipeline.stages], tokens)
         self.pipelines[request.request_id] = pipeline
+        if request.task:
+            self.task_of[request.request_id] = request.task
         return pipeline
 
     def finish(self, request_id: object) -> None:
         """The request is done (or cancelled): release its KV reservation. Idempotent."""
         self.kv.release(request_id)
         self.pipelines.pop(request_id, None)
+        self.task_of.pop(request_id, None)
+
+    def in_flight(self, task: str, node: str) -> int:
+        """Requests for ``task`` holding a pipeline through ``node`` (a migrated PET is freed there at 0)."""
+        pipelines = self.pipelines
+        return sum(1 for rid, t in self.task_of.items() if t == task and node in pipelines[rid].nodes)
 
     def pipeline_of(self, request_id: object) -> Pipeline | None:
         return self.pipelines.get(request_id)
 
     def adopt(self, old: Router) -> None:
         """Take over ``old``'s requests in flight (a re-plan switched routers): their pipelines, and their
-        KV reservations on the nodes this router knows, so they are released here when they finish."""
+        KV reservations on the nodes this router knows, so they are released here when they finish; and
+        the tasks' holders (one record for the coordinator's life)."""
+        self.task_nodes = old.task_nodes
         self.pipelines.update(old.pipelines)
+        self.task_of.update(old.task_of)
         self.kv.adopt(old.kv)
 
     # -- cluster state ----------------------------------------------------------------------
@@ -160,8 +180,11 @@ class Router:
     def mark_alive(self, node: str) -> None:
         self.dead.discard(node)
 
-    def _masked(self) -> set[str]:
-        return self.dead | self.draining if self.draining else self.dead
+    def _masked(self, task: str = "") -> set[str]:
+        """Nodes not routed through: dead, draining, and for ``task`` the nodes not holding its PET."""
+        masked = self.dead | self.draining if self.draining else self.dead
+        held = self.task_nodes.holders(task)
+        return masked if held is None else masked | (self.topology.placement.keys() - held)
 
     def describe_down(self) -> str:
         """The nodes not routed through and the layers no routable node holds (NoRouteError's message)."""
@@ -169,9 +192,23 @@ class Router:
         missing = ", ".join(f"[{s}, {e})" for s, e in self.uncovered())
         return f"{why}; no live node holds layers {missing}" if missing else why
 
-    def uncovered(self) -> list[tuple[int, int]]:
-        """The layer ranges no routable node of the placement holds (what a route lacks)."""
-        masked = self._masked()
+    def task_unroutable(self, task: str) -> str:
+        """Why no request for ``task`` can be routed now (its holders down, or holding too few layers;
+        a NoRouteError's message naming the task); "" when one can (KV aside), or for a task every node holds."""
+        held = self.task_nodes.holders(task)
+        if held is None or self.has_route(task):
+            return ""
+        down = sorted(held & self._masked())
+        holders = ", ".join(sorted(held)) or "no node"
+        missing = ", ".join(f"[{s}, {e})" for s, e in self.uncovered(task))
+        why = f"no live node holding it holds layers {missing}" if missing else "they form no complete pipeline"
+        down_note = f" (down: {', '.join(down)})" if down else ""
+        return f"task {task!r} has no route: it is held by {holders}{down_note}; {why}"
+
+    def uncovered(self, task: str = "") -> list[tuple[int, int]]:
+        """The layer ranges no routable node of the placement holds (what a route lacks; for ``task``:
+        no routable node holding it)."""
+        masked = self._masked(task)
         held = [r for n, r in self.topology.placement.items() if n not in masked]
         out: list[tuple[int, int]] = []
         for layer in range(self.topology.num_layers):
@@ -199,9 +236,9 @@ class Router:
             return False
         return True
 
-    def has_route(self) -> bool:
-        """Whether a complete pipeline exists through live nodes (ignoring KV)."""
-        dead = self._masked()
+    def has_route(self, task: str = "") -> bool:
+        """Whether a complete pipeline exists through live nodes (holding ``task``), ignoring KV."""
+        dead = self._masked(task)
         try:
             build_pipeline(self.topology, lambda v, ex, ok: _first(self.topology.successors[v], ex, ok),
                            lambda n, s, e: n not in dead)

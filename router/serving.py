@@ -29,6 +29,7 @@ from router.coordinator import Coordinator
 from router.membership_driver import MembershipDriver
 from router.membership_types import MembershipPolicy
 from router.policy import Router, plan_flows
+from router.task_placement import PlacementPolicy
 from router.tokenizer import ChatTokenizer, ensure_tokenizer_dir
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class ServeOptions:
     served_model_names: Sequence[str] = ()
     max_lora_rank: int = 0  # a LoRA task of a higher rank is refused at registration; 0: no limit
     membership: MembershipPolicy | None = None  # re-plan as nodes join, leave and die (router.membership); None: a fixed plan
+    task_placement: PlacementPolicy = PlacementPolicy.ALL  # which nodes a new task is loaded on (router.task_placement)
 
 
 def build_coordinator(cluster: ClusterSpec, plan: Plan, profiles: ProfileSet | None,
@@ -70,7 +72,8 @@ def build_coordinator(cluster: ClusterSpec, plan: Plan, profiles: ProfileSet | N
     coordinator = Coordinator(router, tokenizer, model_names=names, max_context_tokens=context,
                               max_tokens_cap=min(options.max_tokens_cap, context),
                               planned_flows=plan_flows(plan, cluster, profiles), queue_bound=options.queue_bound,
-                              admission_timeout_s=options.admission_timeout_s, max_lora_rank=options.max_lora_rank)
+                              admission_timeout_s=options.admission_timeout_s, max_lora_rank=options.max_lora_rank,
+                              task_placement=options.task_placement)
     for name, path in cluster.task_paths():  # a bad directory or name stops the start, naming the file
         coordinator.tasks.check_new(name, path)
     coordinator.startup_tasks = cluster.task_paths()
@@ -113,6 +116,8 @@ def create_server_app(coordinator: Coordinator, agents: Mapping[str, str], *, se
                       on_event=coordinator.on_agent_event, on_task_status=coordinator.task_status_threadsafe,
                       curve=curve)  # fmt: skip
         coordinator.attach(io, asyncio.get_running_loop())
+        if coordinator.membership is not None:
+            coordinator.membership.start()  # the re-planner's worker process
         io.start()
         watcher = asyncio.create_task(coordinator.watch_kv())
         startup = asyncio.create_task(coordinator.load_startup_tasks())
@@ -122,6 +127,8 @@ def create_server_app(coordinator: Coordinator, agents: Mapping[str, str], *, se
             watcher.cancel()
             startup.cancel()
             io.close()
+            if coordinator.membership is not None:
+                coordinator.membership.close()
 
     return create_app(coordinator, api_keys=api_keys, lifespan=lifespan, task_admin_without_key=loopback)
 

@@ -1,7 +1,9 @@
 """HTTP routes that load and unload fine-tuned tasks at runtime, with vLLM's names and bodies.
 
 ``POST /v1/load_lora_adapter`` ``{"lora_name": NAME, "lora_path": DIR}`` registers a task of any
-PET type (the directory says which: docs/pets.md) and answers once every agent holds it;
+PET type (the directory says which: docs/pets.md) and answers once every agent to hold it holds it
+(Helix's optional ``"nodes": [...]`` names them; default: every node, or as ``helix serve
+--task-placement`` says);
 ``POST /v1/unload_lora_adapter`` ``{"lora_name": NAME}`` stops new requests for it at once and
 answers once its requests in flight finished and the agents dropped it. Success is a plain-text
 200 as vLLM's; errors are OpenAI-style bodies (400 for a task that does not fit its base, naming
@@ -32,6 +34,7 @@ class LoadLoRAAdapterRequest(BaseModel):
 
     lora_name: str
     lora_path: str
+    nodes: list[str] | None = None  # Helix's: the nodes to hold the task (default: as the placement policy says)
 
 
 class UnloadLoRAAdapterRequest(BaseModel):
@@ -71,7 +74,7 @@ def add_task_routes(app: FastAPI, coordinator: Coordinator, *, open_without_key:
     async def load_task(request: Request) -> PlainTextResponse:
         body = await body_of(request, LoadLoRAAdapterRequest)
         assert isinstance(body, LoadLoRAAdapterRequest)
-        task = await coordinator.tasks.load(body.lora_name, body.lora_path)
+        task = await coordinator.tasks.load(body.lora_name, body.lora_path, body.nodes)
         return PlainTextResponse(f"Success: task '{task.name}' ({task.pet_type}) loaded from {task.path}.")
 
     @app.post("/v1/unload_lora_adapter")

@@ -14,6 +14,14 @@ the base model the cluster serves. :class:`TaskRegistry` runs in the coordinator
   changes gets them again for its new layers before the switch (:meth:`TaskRegistry.reload`).
 * **unload**: new requests naming the task get 404 at once; the agents unbind it only after the
   task's last request in flight finished (:meth:`TaskRegistry.finished`).
+
+Which agents hold a task is :class:`router.task_placement.TaskPlacement`'s record (``placement``,
+shared with the router, which routes a task's requests through its holders only): a load goes to
+the nodes the :class:`~router.task_placement.PlacementPolicy` (``policy``; default every node) or
+the caller names, a reconnecting agent gets the tasks it holds, a re-plan's reload makes the nodes
+whose layers changed hold every task again. :meth:`TaskRegistry.copy_to` and
+:meth:`TaskRegistry.free_on` load and unload one task on one node (PET migration,
+:mod:`router.pet_migration`).
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -30,6 +38,7 @@ from pathlib import Path
 from helix import wire
 from helix.errors import HelixError, NoRouteError, PETError, RequestError, UnknownTaskError
 from helix.tasks import TASK_NAME_PATTERN, read_descriptor
+from router.task_placement import PlacementPolicy, TaskPlacement
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +72,13 @@ class TaskRegistry:
     """The tasks the coordinator serves; see the module docstring."""
 
     def __init__(self, base_names: Collection[str], nodes: Iterable[str], *, max_lora_rank: int = 0,
-                 load_timeout_s: float = TASK_LOAD_TIMEOUT_S) -> None:  # fmt: skip
+                 load_timeout_s: float = TASK_LOAD_TIMEOUT_S, placement: TaskPlacement | None = None,
+                 policy: PlacementPolicy = PlacementPolicy.ALL) -> None:  # fmt: skip
         self.base_names = set(base_names)
         self.nodes = sorted(nodes)
+        self.placement = placement if placement is not None else TaskPlacement()
+        self.policy = policy
+        self.layers: Mapping[str, tuple[int, int]] = {}  # node -> the layers the plan gives it (for ``policy``)
         self.max_lora_rank = max_lora_rank
         self.load_timeout_s = load_timeout_s
         self.tasks: dict[str, Task] = {}
@@ -109,26 +122,33 @@ class TaskRegistry:
                                param="lora_name")  # fmt: skip
         return read_descriptor(path).pet_type
 
-    async def load(self, name: str, path: str | Path) -> Task:
-        """Register ``name`` and load it on every live agent; raises and registers nothing if one refuses."""
+    async def load(self, name: str, path: str | Path, nodes: Collection[str] | None = None) -> Task:
+        """Register ``name`` and load it on the live agents that are to hold it (``nodes``, or as the
+        placement policy says); raises and registers nothing if one refuses."""
         absolute = str(Path(path).expanduser().resolve())
         pet_type = self.check_new(name, absolute)
-        nodes = [n for n in self.nodes if n in self.alive()]
-        if not nodes:
-            raise NoRouteError(f"task {name!r}: no agent is connected to load it on")
+        if nodes is not None and (unknown := sorted(set(nodes) - set(self.nodes))):
+            raise RequestError(f"task {name!r}: no node {', '.join(map(repr, unknown))} in the plan (nodes: "
+                               f"{', '.join(self.nodes)})", param="nodes")  # fmt: skip
+        held = frozenset(nodes) if nodes is not None else self.placement.initial(self.policy, self.layers)
+        targets = [n for n in self.nodes if n in self.alive() and (held is None or n in held)]
+        if not targets:
+            raise NoRouteError(f"task {name!r}: no agent that is to hold it is connected to load it on")
         task = self.tasks[name] = Task(name, absolute, pet_type, int(time.time()))
-        statuses = await self._ask(nodes, wire.LoadTask(name, absolute, self.max_lora_rank))
+        self.placement.assign(name, held)
+        statuses = await self._ask(targets, wire.LoadTask(name, absolute, self.max_lora_rank))
         failed = [s for s in statuses if not s.ok]
         if failed or self.tasks.get(name) is not task:
             loaded = [s.node_id for s in statuses if s.ok]
             for node in loaded:
                 self._send(node, wire.UnloadTask(name))
             self.tasks.pop(name, None)
+            self.placement.forget(name)
             reason = failed[0].error if failed else "unloaded while loading"
             raise PETError(f"task {name!r} was not loaded: {reason}")
         task.nbytes = {s.node_id: s.nbytes for s in statuses}
         task.state = TaskState.READY
-        log.info("task %s (%s) loaded from %s on %s", name, pet_type, absolute, ", ".join(nodes))
+        log.info("task %s (%s) loaded from %s on %s", name, pet_type, absolute, ", ".join(targets))
         return task
 
     async def unload(self, name: str) -> Task:
@@ -149,6 +169,7 @@ class TaskRegistry:
             if not status.ok:
                 log.warning("task %s: node %s did not unload it: %s", name, status.node_id, status.error)
         del self.tasks[name]
+        self.placement.forget(name)
         log.info("task %s unloaded", name)
         return task
 
@@ -163,14 +184,15 @@ class TaskRegistry:
     # -- agents ---------------------------------------------------------------------------------
 
     def on_agent_alive(self, node: str) -> None:
-        """A (re)connected agent gets every registered task (it may have restarted without them)."""
+        """A (re)connected agent gets every registered task it holds (it may have restarted without them)."""
         for task in self.tasks.values():
-            if task.state is not TaskState.UNLOADING:
+            if task.state is not TaskState.UNLOADING and self.placement.holds(task.name, node):
                 self._send(node, wire.LoadTask(task.name, task.path, self.max_lora_rank))
 
     async def reload(self, nodes: Collection[str]) -> str:
         """Send every registered task to ``nodes`` again (a re-plan changed their layers: an agent binds a
-        task to the layers it holds); the first refusal, or "" when every node loaded every task."""
+        task to the layers it holds), which hold them all from now on; the first refusal, or "" when every
+        node loaded every task."""
         for task in list(self.tasks.values()):
             if task.state is TaskState.UNLOADING or not nodes:
                 continue
@@ -179,7 +201,24 @@ class TaskRegistry:
             if failed:
                 return f"task {task.name!r} on {failed[0].node_id}: {failed[0].error}"
             task.nbytes.update({s.node_id: s.nbytes for s in statuses})
+            self.placement.add(task.name, nodes)
         return ""
+
+    async def copy_to(self, name: str, node: str) -> wire.TaskStatus:
+        """Load the registered task ``name`` on ``node`` (a PET migration's copy; the caller switches routing)."""
+        task = self.tasks[name]
+        (status,) = await self._ask([node], wire.LoadTask(name, task.path, self.max_lora_rank))
+        if status.ok:
+            task.nbytes[node] = status.nbytes
+        return status
+
+    async def free_on(self, name: str, node: str) -> wire.TaskStatus:
+        """Unload ``name`` from ``node`` (no request of it is routed there any more, none runs there)."""
+        (status,) = await self._ask([node], wire.UnloadTask(name))
+        task = self.tasks.get(name)
+        if task is not None:
+            task.nbytes.pop(node, None)
+        return status
 
     def on_agent_dead(self, node: str) -> None:
         for waiters in self._waiting.values():
@@ -203,7 +242,13 @@ class TaskRegistry:
         op = "load" if isinstance(msg, wire.LoadTask) else "unload"
         key = (msg.task_id, op)
         loop = asyncio.get_running_loop()
-        waiters = self._waiting[key] = {node: loop.create_future() for node in nodes}
+        shared = self._waiting.setdefault(key, {})  # an ask of the same (task, op, node) in flight shares its answer
+        waiters: dict[str, asyncio.Future[wire.TaskStatus]] = {}
+        for node in nodes:
+            future = shared.get(node)
+            if future is None or future.done():
+                future = shared[node] = loop.create_future()
+            waiters[node] = future
         try:
             for node in nodes:
                 self._send(node, msg)
@@ -213,4 +258,8 @@ class TaskRegistry:
                                     f"{self.load_timeout_s:.0f} s") for node, f in waiters.items() if f in pending]
             return out
         finally:
-            del self._waiting[key]
+            for node, future in waiters.items():
+                if shared.get(node) is future:
+                    del shared[node]
+            if not shared and self._waiting.get(key) is shared:
+                del self._waiting[key]
