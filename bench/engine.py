@@ -76,6 +76,7 @@ from harness import (  # noqa: E402  (bench/harness.py, beside this script)
 from rich.progress import Progress, TaskID  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from node_agent.backends import DTYPES, StageBackend  # noqa: E402
 from node_agent.engine import StageEngine  # noqa: E402
 from node_agent.gguf_convert import cached_model_dir  # noqa: E402
 from node_agent.sampling import SamplingParams  # noqa: E402
@@ -138,9 +139,9 @@ def run_trace(engine: StageEngine, arrivals: list[Arrival], on_done: Callable[[]
         if not engine.has_unfinished:
             clock = queue[i].arrival_s
             continue
-        t0 = time.process_time()
+        t0 = step_clock()
         result = engine.step()
-        dt = time.process_time() - t0
+        dt = step_clock() - t0
         clock += dt
         trace.busy_s += dt
         trace.prefill_busy_s += dt * result.num_prefill_tokens / max(1, result.num_tokens)
@@ -156,8 +157,24 @@ def run_trace(engine: StageEngine, arrivals: list[Arrival], on_done: Callable[[]
     return trace
 
 
+# Where sections 1 and 2 run: one CPU thread in float32 by default; ``--device cuda --dtype
+# bfloat16`` runs the same engine on a GPU (set once by :func:`main`, read by every engine made).
+BACKEND = StageBackend()
+
+
 def make_engine(model_dir: Path, sched: SchedulerConfig) -> StageEngine:
-    return StageEngine(model_dir, scheduler=sched, kv_capacity_tokens=1 << 16)
+    return StageEngine(model_dir, scheduler=sched, kv_capacity_tokens=1 << 16, backend=BACKEND)
+
+
+def _where() -> str:
+    return "1 CPU thread" if BACKEND.device == "cpu" else f"{torch.cuda.get_device_name()}, {BACKEND.dtype}"
+
+
+def step_clock() -> float:
+    """The bench clock's source: CPU time on CPU (honest when other tenants share the cores); wall
+    time on a GPU, where a step's work is the device's (each step ends by reading its tokens back,
+    which waits for the device)."""
+    return time.perf_counter() if BACKEND.device == "cuda" else time.process_time()
 
 
 def prompt(rng: random.Random, n: int) -> list[int]:
@@ -220,7 +237,7 @@ class Calibration:
     def describe(self) -> str:
         out, tokens = self.mix.mean_output, self.mix.mean_prompt
         per_request_decode = out * self.decode16_s / 16
-        return (f"cost profile (1 thread): a {tokens}-token prefill {self.prefill_s:.3f} s = "
+        return (f"cost profile ({_where()}): a {tokens}-token prefill {self.prefill_s:.3f} s = "
                 f"{self.prefill_s / self.decode1_s:.0f} batch-1 decode steps; a decode step {self.decode1_s:.3f} s "
                 f"at batch 1, {self.decode16_s:.3f} s at batch 16 ({self.decode16_s / self.decode1_s:.1f}x); so the "
                 f"mean request at batch 16 spends {self.prefill_s:.2f} s in prefill vs {per_request_decode:.2f} s in "
@@ -229,9 +246,9 @@ class Calibration:
 
 
 def _timed_step(engine: StageEngine) -> float:
-    t0 = time.process_time()
+    t0 = step_clock()
     engine.step()
-    return time.process_time() - t0
+    return step_clock() - t0
 
 
 def calibrate(model_dir: Path, mix: OrcaMix) -> Calibration:
@@ -428,7 +445,7 @@ def iteration_vs_request(model_dir: Path, quick: bool, rounds: int | None, progr
         f"capacity (all {n} requests at t = 0): iteration {log.spread('capacity, iteration').describe('req/s')}, "
         f"request-level {log.spread('capacity, request-level').describe('req/s')}, "
         f"ratio {log.spread('capacity ratio').describe('×')}",
-        "prefill share of busy CPU time: " + ", ".join(f"{run} {min(v):.0f}–{max(v):.0f}%" for run, v in share.items()),
+        "prefill share of busy time: " + ", ".join(f"{run} {min(v):.0f}–{max(v):.0f}%" for run, v in share.items()),
         calib.describe()])
     out: list[Any] = [table, base_table]
     if head is None:
@@ -551,13 +568,20 @@ def main() -> None:
                         help="section 1's prompt lengths, tokens (default Orca's 32:512)")
     parser.add_argument("--orca-output", type=_range, default=(1, 128), metavar="MIN:MAX",
                         help="section 1's output lengths, tokens (default Orca's 1:128)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where sections 1 and 2 run the engine (default one CPU thread; cuda: a GPU, wall clock)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="the engine's dtype (default float32)")
+    parser.add_argument("--model-dir", type=Path, default=None,
+                        help="a HF-style model dir (config.json + safetensors) instead of the built-in SmolLM2")
     args = parser.parse_args()
+    global BACKEND
+    BACKEND = StageBackend("torch", args.dtype, args.device)
     mix = OrcaMix(*args.orca_prompt, *args.orca_output)
     sections: dict[str, Section] = {**SECTIONS, "iteration-vs-request": functools.partial(
         iteration_vs_request, requests=args.orca_requests, loads=args.orca_loads,
         base_loads=args.orca_base_loads, mix=mix)}
     torch.set_num_threads(1)
-    model_dir = cached_model_dir()
+    model_dir = args.model_dir or cached_model_dir()
     t0 = time.perf_counter()
     for name, section in sections.items():
         if not args.only or name in args.only:
@@ -565,7 +589,7 @@ def main() -> None:
                 parts = section(model_dir, args.quick, args.rounds, progress)
             for part in parts:  # printed as each section ends: a long run shows its verdicts as they come
                 console.print(part)
-    console.print(f"[dim]SmolLM2-135M float32, 1 CPU thread, total bench time {time.perf_counter() - t0:.0f} s[/]")
+    console.print(f"[dim]{model_dir.name} {BACKEND.dtype}, {_where()}, total bench time {time.perf_counter() - t0:.0f} s[/]")
 
 
 if __name__ == "__main__":
