@@ -15,7 +15,16 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.router.pet_tasks import ATTENTION, MODEL, ServingCluster, complete, load, random_lora, smollm2_hf, unload
+from tests.router.pet_tasks import (
+    ATTENTION,
+    MODEL,
+    ServingCluster,
+    complete,
+    load,
+    random_lora,
+    smollm2_hf,
+    unload,
+)
 
 NAMES = {"placed-all": None, "placed-split": ["cpu-1", "cpu-2"], "placed-cpu-1": ["cpu-1"]}
 

@@ -1,0 +1,83 @@
+"""PET migration's balancer (issue 19 part 3, PetS Algorithm 3) on fabricated request counts.
+
+The layers: cpu-1 and cpu-2 both hold [0, 16) (a replica group), cpu-0 holds [16, 30) alone, so
+only tasks on cpu-1 and cpu-2 can move, and only between them.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from router.pet_balancer import (
+    BalancePolicy,
+    LoadView,
+    Move,
+    PetBalancer,
+    imbalance,
+    next_interval,
+    plan_moves,
+)
+
+LAYERS = {"cpu-0": (16, 30), "cpu-1": (0, 16), "cpu-2": (0, 16)}
+GROUP = ["cpu-1", "cpu-2"]
+SPLIT = {"a": "cpu-1", "b": "cpu-1", "c": "cpu-1", "d": "cpu-2", "e": "cpu-2"}  # one node of the group each
+
+
+def view(counts: dict[str, float], *, on: dict[str, str] = SPLIT, base: dict[str, float] | None = None,
+         **kw: object) -> LoadView:  # fmt: skip
+    """Each task's requests counted on its node of the group and on cpu-0; ``base``: the base model's, by node."""
+    counted = {(t, on[t]): c for t, c in counts.items()} | {(t, "cpu-0"): c for t, c in counts.items()}
+    counted |= {("", n): c for n, c in (base or {}).items()}
+    holders = {t: frozenset({n, "cpu-0"}) for t, n in on.items()}
+    return LoadView(counted, LAYERS, list(on), holders, **kw)  # type: ignore[arg-type]
+
+
+def test_the_busiest_nodes_tasks_move_to_the_idlest_while_the_spread_shrinks() -> None:
+    moves = plan_moves(GROUP, view({"a": 50, "b": 30, "c": 10, "d": 5, "e": 5}), BalancePolicy())
+    # 90 vs 10: moving a or b leaves a spread of 20 (b, the fewer requests, goes); then c evens it at 50 each
+    assert moves == [Move("b", "cpu-1", "cpu-2", 30, copy=True), Move("c", "cpu-1", "cpu-2", 10, copy=True)]
+
+
+def test_an_idle_or_oversized_task_does_not_stop_the_balancing() -> None:
+    counts = {"a": 50, "b": 30, "c": 0, "d": 5, "e": 5}  # PetS's least-requested rule would stop at c at once
+    assert [m.task for m in plan_moves(GROUP, view(counts), BalancePolicy())] == ["b"]
+    bytes_ = {(t, n): 100 for t in SPLIT for n in LAYERS}
+    policy = BalancePolicy(node_task_bytes={"cpu-2": 300})  # cpu-2 holds d and e: room for one more task
+    moves = plan_moves(GROUP, view({"a": 50, "b": 30, "c": 10, "d": 5, "e": 5}, task_bytes=bytes_), policy)
+    assert [m.task for m in moves] == ["b"]
+    tight = BalancePolicy(node_task_bytes={"cpu-2": 250})
+    assert plan_moves(GROUP, view({"a": 50, "b": 30, "d": 5, "e": 5}, task_bytes=bytes_), tight) == []
+
+
+def test_a_task_every_node_holds_moves_by_an_unload_and_the_base_load_stays() -> None:
+    everywhere = LoadView({("a", "cpu-1"): 40, ("a", "cpu-2"): 10, ("", "cpu-1"): 10, ("", "cpu-2"): 10},
+                          LAYERS, ["a"], {})  # fmt: skip
+    assert plan_moves(GROUP, everywhere, BalancePolicy()) == []  # moving a's 40 only swaps the sides
+    both = LoadView({("a", "cpu-1"): 30, ("b", "cpu-1"): 20, ("", "cpu-1"): 10, ("", "cpu-2"): 20},
+                    LAYERS, ["a", "b"], {})  # fmt: skip
+    assert plan_moves(GROUP, both, BalancePolicy()) == [Move("b", "cpu-1", "cpu-2", 20, copy=False)]
+
+
+def test_loads_are_per_unit_of_capacity() -> None:
+    counts = {"a": 40, "b": 20, "d": 30}
+    assert plan_moves(GROUP, view(counts, capacity={"cpu-1": 1.0, "cpu-2": 1.0}), BalancePolicy())
+    assert plan_moves(GROUP, view(counts, capacity={"cpu-1": 2.0, "cpu-2": 1.0}), BalancePolicy()) == []  # 30 vs 30
+
+
+def test_phi_and_the_adaptive_interval() -> None:
+    policy = BalancePolicy(theta=0.9, interval_s=8.0, min_interval_s=1.0, max_interval_s=10.0, step_s=1.5)
+    assert imbalance([10.0, 90.0]) == pytest.approx(1 / 9) and imbalance([0.0, 0.0]) == 1.0
+    assert next_interval(8.0, 0.5, policy) == 4.0 and next_interval(1.5, 0.5, policy) == 1.0
+    assert next_interval(8.0, 0.95, policy) == 9.5 and next_interval(9.5, 0.95, policy) == 10.0
+
+    balancer = PetBalancer(policy, now=0.0)
+    assert not balancer.due(7.9) and balancer.due(8.0)
+    skewed = balancer.step(8.0, view({"a": 50, "b": 30, "c": 10, "d": 5, "e": 5}))
+    assert skewed.phi == pytest.approx(10 / 90) and len(skewed.moves) == 2 and skewed.interval_s == 4.0
+    assert not balancer.due(11.9) and balancer.due(12.0)
+    even = balancer.step(12.0, view({"a": 20, "d": 19}))
+    assert even.phi == pytest.approx(19 / 20) and even.moves == [] and even.interval_s == 5.5
+    quiet = balancer.step(17.5, view({"a": 5, "d": 0}))  # below min_requests: not judged
+    assert quiet.phi == 1.0 and quiet.moves == [] and quiet.interval_s == 7.0
+    with pytest.raises(ValueError, match="theta"):
+        BalancePolicy(theta=0.0)
