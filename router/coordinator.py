@@ -17,6 +17,8 @@ module only connects it to the server:
 * With live membership (``membership``, :mod:`router.membership_driver`) the membership events
   (joins, deaths, departures, LEAVING, LAYERS) go to it on this loop too, after the core had them;
   it re-plans and :meth:`Coordinator.switch_plan` hands the core the new plan's router.
+* With PET migration (``migrator``, :mod:`router.pet_migration`) the loop's tick also runs the
+  balancer, which moves tasks' PETs between nodes holding the same layers.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from router.core import CoordinatorCore
 from router.driver import CoreDriver
 from router.membership_driver import MembershipDriver
 from router.metrics import MetricsObserver, ServingMetrics
+from router.pet_migration import PetMigrator
 from router.policy import Router
 from router.request import Finish, GenerationRequest, Request, RequestOutput, RequestStatus
 from router.stops import StopMatcher
@@ -105,6 +108,7 @@ class Coordinator:
         self._streams: dict[str, _Stream] = {}
         self.startup_tasks: list[tuple[str, str]] = []  # (name, directory): loaded once the agents are connected
         self.membership: MembershipDriver | None = None  # live membership (re-planning); None: a fixed plan
+        self.migrator: PetMigrator | None = None  # PET migration between nodes of the same layers; None: tasks stay put
 
     @property
     def router(self) -> Router:
@@ -178,6 +182,8 @@ class Coordinator:
                 self.driver.tick()
                 if self.membership is not None:
                     self.membership.tick()
+                if self.migrator is not None:
+                    self.migrator.tick()
             except Exception:  # never let the watcher die
                 log.exception("coordinator tick failed")
 
@@ -192,6 +198,8 @@ class Coordinator:
         if self.membership is not None:
             details |= {"plan_version": self.membership.membership.version,
                         "unavailable": self.membership.membership.unavailable or None}
+        if self.migrator is not None:
+            details["pet_balance"] = self.migrator.describe()
         return details
 
     def refresh_metrics(self) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
 
 from router.agent_events import AgentEvent, KVReported
 from router.agents_io import AgentsIO
@@ -24,6 +25,7 @@ from router.policy import Router
 from router.request import Request, RequestOutput
 
 OutputSink = Callable[[Sequence[RequestOutput]], None]
+T = TypeVar("T")
 
 
 class CoreDriver:
@@ -68,6 +70,11 @@ class CoreDriver:
         with self.lock:
             self.core.set_router(router)
             self._schedule(time.monotonic(), from_io=False)
+
+    def locked(self, fn: Callable[[CoordinatorCore], T]) -> T:
+        """``fn(core)`` between two of the core's steps (a consistent look at it, or a change to its routing)."""
+        with self.lock:
+            return fn(self.core)
 
     def set_unavailable(self, reason: str) -> None:
         """Why the cluster cannot serve the model (said in 503s); "" once it can again."""

@@ -28,6 +28,8 @@ from router.app import create_app
 from router.coordinator import Coordinator
 from router.membership_driver import MembershipDriver
 from router.membership_types import MembershipPolicy
+from router.pet_balancer import BalancePolicy
+from router.pet_migration import PetMigrator
 from router.policy import Router, plan_flows
 from router.task_placement import PlacementPolicy
 from router.tokenizer import ChatTokenizer, ensure_tokenizer_dir
@@ -52,6 +54,7 @@ class ServeOptions:
     max_lora_rank: int = 0  # a LoRA task of a higher rank is refused at registration; 0: no limit
     membership: MembershipPolicy | None = None  # re-plan as nodes join, leave and die (router.membership); None: a fixed plan
     task_placement: PlacementPolicy = PlacementPolicy.ALL  # which nodes a new task is loaded on (router.task_placement)
+    pet_balance: BalancePolicy | None = None  # move tasks' PETs between nodes of the same layers (router.pet_migration)
 
 
 def build_coordinator(cluster: ClusterSpec, plan: Plan, profiles: ProfileSet | None,
@@ -77,6 +80,8 @@ def build_coordinator(cluster: ClusterSpec, plan: Plan, profiles: ProfileSet | N
     for name, path in cluster.task_paths():  # a bad directory or name stops the start, naming the file
         coordinator.tasks.check_new(name, path)
     coordinator.startup_tasks = cluster.task_paths()
+    if options.pet_balance is not None:
+        coordinator.migrator = PetMigrator(coordinator, options.pet_balance)
     if options.membership is not None:
         if profiles is None:
             raise ConfigError("re-planning as nodes come and go needs the cluster's profiles", field="profiles")

@@ -86,13 +86,13 @@ class ServingCluster:
         return httpx.get(f"{self.base_url}/health", timeout=10).json()
 
 
-def make_test_plan(path: Path) -> Path:
+def make_test_plan(path: Path, placement: dict[str, tuple[int, int]] = TEST_PLACEMENT) -> Path:
     from helix.profile import load_profiles_for
     from helix.spec import load_cluster
     from planner.api import finish_plan
 
     cluster = load_cluster(DEMO_CLUSTER)
-    plan = finish_plan(cluster, load_profiles_for(cluster), TEST_PLACEMENT, method="manual")
+    plan = finish_plan(cluster, load_profiles_for(cluster), placement, method="manual")
     plan.save(path)
     return path
 
@@ -122,10 +122,11 @@ def cluster_server() -> Callable[..., Iterator[ServingCluster]]:
 
 
 def serve_cluster(tmp_path_factory: pytest.TempPathFactory, demo_cluster: Path,
-                  agent_args: Sequence[str] = (), *, options: Any = None) -> Iterator[ServingCluster]:  # fmt: skip
-    """Agents of the test placement for ``demo_cluster``'s nodes (``agent_args`` added to each agent's
-    command line, e.g. ``--chunk-size 16``) and a coordinator serving them (``options``: its
-    ``router.serving.ServeOptions``, default a fixed plan and ``max_tokens_cap=4096``)."""
+                  agent_args: Sequence[str] = (), *, options: Any = None,
+                  placement: dict[str, tuple[int, int]] = TEST_PLACEMENT) -> Iterator[ServingCluster]:  # fmt: skip
+    """Agents of ``placement`` (default the test placement) for ``demo_cluster``'s nodes (``agent_args``
+    added to each agent's command line, e.g. ``--chunk-size 16``) and a coordinator serving them
+    (``options``: its ``router.serving.ServeOptions``, default a fixed plan and ``max_tokens_cap=4096``)."""
     from helix.plan import load_plan
     from helix.profile import load_profiles_for
     from helix.spec import load_cluster
@@ -133,13 +134,13 @@ def serve_cluster(tmp_path_factory: pytest.TempPathFactory, demo_cluster: Path,
     from router.serving import ServeOptions, build_coordinator, create_server_app, make_server
 
     workdir = tmp_path_factory.mktemp("serving")
-    plan_path = make_test_plan(workdir / "plan.json")
+    plan_path = make_test_plan(workdir / "plan.json", placement)
     secret = "test-secret"
     agents = AgentProcesses(demo_cluster, plan_path, workdir, secret=secret, extra_args=tuple(agent_args))
     server: Any = None
     thread: threading.Thread | None = None
     try:
-        agents.start(TEST_PLACEMENT)
+        agents.start(placement)
         addresses = agents.wait_ready(timeout_s=240)
         cluster = load_cluster(demo_cluster)
         coordinator = build_coordinator(cluster, load_plan(plan_path), load_profiles_for(cluster),

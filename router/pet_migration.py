@@ -1,0 +1,183 @@
+"""PET migration in the live coordinator (PetS section 2.3.2): the balancer's moves carried out.
+
+:class:`PetMigrator` runs on the coordinator's asyncio loop (ticked by
+:meth:`router.coordinator.Coordinator.watch_kv`):
+
+* **counting**: :class:`TaskLoadObserver` wraps the core's observer and counts every attempt, at
+  its first token, once for each node of its pipeline under its task (the base model's as "");
+* **deciding**: when :class:`router.pet_balancer.PetBalancer` is due, the window's counts, the
+  routable nodes' layers and planned flows (their relative capacity), the tasks' holders and their
+  bytes per node make a :class:`~router.pet_balancer.LoadView`; the balancer says which PETs move;
+* **moving**, one move after the other: (1) *copy*: the target loads the task for its layers
+  (LOAD_TASK over the task registry's path, :meth:`router.tasks.TaskRegistry.copy_to`) unless it
+  holds it already; (2) *switch*: between two core steps the task's holders change
+  (:meth:`router.task_placement.TaskPlacement.move`), so new requests go to the target, unless the
+  task would be left without a route (then the switch is undone and the copy freed); (3) *drain*:
+  requests in flight on the source finish there; (4) *free*: once none of the task's requests holds
+  a pipeline through the source, the source unloads it (UNLOAD_TASK).
+
+No request is lost or answered by the wrong task: a request is routed only through nodes that
+hold its task (the source until the switch, the target after it, both loaded meanwhile), and the
+source keeps the PET until its last request there is over. A task unloaded meanwhile is not moved
+(and a copy made for it is freed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from router.core import CoordinatorCore
+from router.core_interfaces import CoreObserver
+from router.driver import CoreDriver
+from router.pet_balancer import BalancePolicy, LoadView, Move, PetBalancer, Round
+from router.request import Request
+from router.tasks import TaskRegistry, TaskState
+
+log = logging.getLogger(__name__)
+
+DRAIN_POLL_S = 0.05  # how often a move looks whether the source's requests of the task are over
+DRAIN_LIMIT_S = 900.0  # a source still running the task's requests after this keeps the PET (logged)
+
+
+class TaskLoadObserver:
+    """The core's observer, plus a count of each attempt per (task, node) at its first token."""
+
+    def __init__(self, inner: CoreObserver, count: Callable[[str, Sequence[str]], None]) -> None:
+        self.inner, self.count = inner, count
+
+    def admitted(self, task: str, prompt_tokens: int) -> None:
+        self.inner.admitted(task, prompt_tokens)
+
+    def rejected(self, reason: str) -> None:
+        self.inner.rejected(reason)
+
+    def token(self, request: Request, edges: tuple[tuple[str, str], ...], moved: int, now: float) -> None:
+        if request.attempt_tokens == 0 and request.pipeline is not None:
+            self.count(request.params.task, request.pipeline.nodes)
+        self.inner.token(request, edges, moved, now)
+
+    def rerouted(self) -> None:
+        self.inner.rerouted()
+
+    def finished(self, request: Request, now: float) -> None:
+        self.inner.finished(request, now)
+
+
+class Serving(Protocol):
+    """What the migrator needs of the coordinator (:class:`router.coordinator.Coordinator`)."""
+
+    driver: CoreDriver
+    tasks: TaskRegistry
+
+
+class PetMigrator:
+    """Counts, decides and moves PETs (see the module doc)."""
+
+    def __init__(self, serving: Serving, policy: BalancePolicy, *, now: float | None = None) -> None:
+        self.serving = serving
+        self.balancer = PetBalancer(policy, time.monotonic() if now is None else now)
+        self.migrations = 0  # moves completed (the source freed)
+        self.last: Round | None = None
+        self._counts: dict[tuple[str, str], float] = {}
+        self._lock = threading.Lock()  # counts come from the transport's I/O thread
+        self._moving: asyncio.Future[None] | None = None
+        core = serving.driver.core
+        core.observer = TaskLoadObserver(core.observer, self.count)
+
+    def count(self, task: str, nodes: Sequence[str]) -> None:
+        with self._lock:
+            for node in nodes:
+                key = (task, node)
+                self._counts[key] = self._counts.get(key, 0.0) + 1.0
+
+    def tick(self) -> None:
+        """On the loop, a few times a second: start a round when one is due and no move is under way."""
+        now = time.monotonic()
+        if (self._moving is not None and not self._moving.done()) or not self.balancer.due(now):
+            return
+        with self._lock:
+            counts, self._counts = self._counts, {}
+        self.last = self.balancer.step(now, self.view(counts))
+        if self.last.moves:
+            log.info("PET balance: phi %.2f, moving %s", self.last.phi,
+                     ", ".join(f"{m.task} {m.src}->{m.dst}" for m in self.last.moves))  # fmt: skip
+            self._moving = asyncio.ensure_future(self._move_all(self.last.moves))
+
+    def view(self, counts: dict[tuple[str, str], float]) -> LoadView:
+        """The window's counts and who holds what, as the core and the registry see them now."""
+
+        def look(core: CoordinatorCore) -> tuple[dict[str, tuple[int, int]], dict[str, float], dict[str, frozenset[str]]]:
+            router = core.router
+            layers = {n: r for n, r in router.topology.placement.items()
+                      if n not in router.dead and n not in router.draining}  # fmt: skip
+            inflow = {n: sum(iwrr.weights.get(n, 0.0) for iwrr in router.iwrr.values()) for n in layers}
+            return layers, inflow, router.task_nodes.restricted()
+
+        layers, inflow, holders = self.serving.driver.locked(look)
+        ready = self.serving.tasks.ready()
+        task_bytes = {(t.name, n): b for t in ready for n, b in t.nbytes.items()}
+        return LoadView(counts, layers, [t.name for t in ready], holders, task_bytes, inflow)
+
+    async def _move_all(self, moves: Sequence[Move]) -> None:
+        for move in moves:
+            try:
+                await self.migrate(move)
+            except Exception:  # a failed move leaves the task where it was; never kill the loop
+                log.exception("PET migration of %s from %s to %s failed", move.task, move.src, move.dst)
+
+    def _ready(self, task: str) -> bool:
+        entry = self.serving.tasks.tasks.get(task)
+        return entry is not None and entry.state is TaskState.READY
+
+    async def migrate(self, move: Move) -> bool:
+        """Copy ``move.task`` to ``move.dst``, switch its routing, drain and free ``move.src``; False
+        when the task stayed where it was."""
+        registry, driver, task = self.serving.tasks, self.serving.driver, move.task
+        if not self._ready(task):
+            return False
+        if move.copy:
+            status = await registry.copy_to(task, move.dst)
+            if not status.ok:
+                log.warning("PET migration: %s could not load task %s: %s", move.dst, task, status.error)
+                return False
+            if not self._ready(task):  # unloaded meanwhile
+                await registry.free_on(task, move.dst)
+                return False
+
+        def switch(core: CoordinatorCore) -> str:
+            router = core.router
+            before = router.task_nodes.holders(task)
+            router.task_nodes.move(task, move.src, move.dst, router.topology.placement)
+            why = router.task_unroutable(task)
+            if why:
+                router.task_nodes.assign(task, before)
+            return why
+
+        why = driver.locked(switch)
+        if why:
+            log.warning("PET migration of %s from %s to %s undone: %s", task, move.src, move.dst, why)
+            if move.copy:
+                await registry.free_on(task, move.dst)
+            return False
+        deadline = time.monotonic() + DRAIN_LIMIT_S
+        while driver.locked(lambda core: core.router.in_flight(task, move.src)):
+            if time.monotonic() > deadline:
+                log.warning("PET migration: %s still runs requests of task %s; keeping its PET", move.src, task)
+                return True
+            await asyncio.sleep(DRAIN_POLL_S)
+        if self._ready(task) and not registry.placement.holds(task, move.src):  # not re-added meanwhile
+            await registry.free_on(task, move.src)
+        self.migrations += 1
+        log.info("PET migration: task %s moved from %s to %s", task, move.src, move.dst)
+        return True
+
+    def describe(self) -> dict[str, object]:
+        """For ``/health``: the last round's balance, the interval to the next, the moves so far."""
+        last = self.last
+        return {"phi": None if last is None else round(last.phi, 3), "interval_s": self.balancer.interval_s,
+                "migrations": self.migrations}  # fmt: skip
