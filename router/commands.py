@@ -55,6 +55,16 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="after an agent dies, wait this long before re-planning without it (it may come back)")
     p.add_argument("--replan-interval-s", type=float, default=10.0, help="at most one re-plan starts per this long")
     p.add_argument("--replan-time-limit-s", type=float, default=5.0, help="the planner's time limit for a re-plan")
+    p.add_argument("--task-placement", choices=["all", "spread"], default="all",
+                   help="nodes a new task is loaded on: all, or one of each group holding the same layers (docs/pets.md)")
+    p.add_argument("--pet-balance", action="store_true",
+                   help="move tasks' PETs between nodes holding the same layers to balance their load (PetS)")
+    p.add_argument("--pet-balance-theta", type=float, default=0.9,
+                   help="rebalance while the least loaded replica's load is below this fraction of the most loaded's")
+    p.add_argument("--pet-balance-interval-s", type=float, nargs=2, default=[1.0, 60.0], metavar=("MIN", "MAX"),
+                   help="bounds of the adaptive interval between balancing rounds")
+    p.add_argument("--pet-node-bytes", action="append", default=[], metavar="NODE=BYTES",
+                   help="the most PET bytes NODE may hold after a migration (repeatable; default: no limit)")
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -95,6 +105,7 @@ def _options(args: argparse.Namespace, names: list[str] | None = None, *, curve:
     if args.max_lora_rank < 0:
         raise ConfigError(f"must be 0 (no limit) or more, got {args.max_lora_rank}", field="--max-lora-rank")
     from router.membership_types import MembershipPolicy
+    from router.task_placement import PlacementPolicy
 
     for flag in ("replan_grace_s", "replan_interval_s", "replan_time_limit_s"):
         if getattr(args, flag) < 0 or (flag == "replan_time_limit_s" and args.replan_time_limit_s == 0):
@@ -107,7 +118,28 @@ def _options(args: argparse.Namespace, names: list[str] | None = None, *, curve:
                                                           replan_time_limit_s=args.replan_time_limit_s)  # fmt: skip
     return ServeOptions(model_dir=args.model_dir, max_tokens_cap=args.max_tokens_cap, queue_bound=args.queue_bound,
                         watermark=args.watermark, served_model_names=names or [], max_lora_rank=args.max_lora_rank,
-                        membership=policy)  # fmt: skip
+                        membership=policy, task_placement=PlacementPolicy(args.task_placement),
+                        pet_balance=_balance_policy(args))  # fmt: skip
+
+
+def _balance_policy(args: argparse.Namespace) -> Any:
+    """``--pet-balance``'s policy (None without it)."""
+    from router.pet_balancer import BalancePolicy
+
+    if not args.pet_balance:
+        return None
+    limits: dict[str, int] = {}
+    for item in args.pet_node_bytes:
+        node, _, nbytes = item.partition("=")
+        if not node or not nbytes.isdigit():
+            raise ConfigError(f"expected NODE=BYTES, got {item!r}", field="--pet-node-bytes")
+        limits[node] = int(nbytes)
+    low, high = args.pet_balance_interval_s
+    try:
+        return BalancePolicy(theta=args.pet_balance_theta, interval_s=min(max(10.0, low), high), min_interval_s=low,
+                             max_interval_s=high, node_task_bytes=limits)  # fmt: skip
+    except ValueError as exc:
+        raise ConfigError(str(exc), field="--pet-balance") from None
 
 
 def _load(cluster_path: str) -> tuple[Any, Any]:

@@ -20,7 +20,7 @@ tasks, and every node whose layers no other node holds). Pure: no I/O, no clocks
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Mapping
 from enum import StrEnum
 
 
@@ -61,10 +61,6 @@ class TaskPlacement:
     def restricted(self) -> dict[str, frozenset[str]]:
         """Every task held by some nodes only, with its holders (a copy)."""
         return dict(self._held)
-
-    def tasks_on(self, node: str, tasks: Iterable[str]) -> list[str]:
-        """Those of ``tasks`` that ``node`` holds."""
-        return [t for t in tasks if self.holds(t, node)]
 
     # -- changes ----------------------------------------------------------------------------------
 

@@ -81,3 +81,24 @@ def test_phi_and_the_adaptive_interval() -> None:
     assert quiet.phi == 1.0 and quiet.moves == [] and quiet.interval_s == 7.0
     with pytest.raises(ValueError, match="theta"):
         BalancePolicy(theta=0.0)
+
+
+def test_helix_serve_flags_make_the_placement_and_balance_policies() -> None:
+    import argparse
+
+    from helix.errors import ConfigError
+    from router.commands import _options, add_serve_arguments
+    from router.task_placement import PlacementPolicy
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    plain = _options(parser.parse_args(["--cluster", "c.yaml", "--plan", "p.json"]))
+    assert plain.task_placement is PlacementPolicy.ALL and plain.pet_balance is None
+    options = _options(parser.parse_args(["--cluster", "c.yaml", "--plan", "p.json", "--task-placement", "spread",
+                                          "--pet-balance", "--pet-balance-interval-s", "2", "30",
+                                          "--pet-node-bytes", "cpu-1=4096"]))  # fmt: skip
+    policy = options.pet_balance
+    assert options.task_placement is PlacementPolicy.SPREAD and policy.node_task_bytes == {"cpu-1": 4096}
+    assert (policy.min_interval_s, policy.interval_s, policy.max_interval_s, policy.theta) == (2.0, 10.0, 30.0, 0.9)
+    with pytest.raises(ConfigError, match="NODE=BYTES"):
+        _options(parser.parse_args(["--cluster", "c", "--plan", "p", "--pet-balance", "--pet-node-bytes", "cpu-1"]))
