@@ -1,0 +1,248 @@
+"""PET migration vs a static task assignment (issue 19; PetS section 3.4): the ``migration`` section of
+``bench/pets_balance.py``, runnable alone.
+
+    python bench/pets_migration.py [--duration-s 180] [--shift-s 60] [--clients 12] [--tasks 16] [--rounds 1]
+
+A cluster with replicated layers, served for real: the demo cluster's three CPU nodes with cpu-1 and
+cpu-2 both holding layers [0, 28) and cpu-0 the last two (and the LM head), so every pipeline is
+cpu-1 -> cpu-0 or cpu-2 -> cpu-0. cpu-1's and cpu-2's agents are pinned to one core each (two
+machines' worth of replicas on this 2-core box); cpu-0 and the coordinator take what is left.
+``--tasks`` random LoRA tasks (rank 8 on q/k/v/o) are loaded with ``helix serve --task-placement
+spread``: each on one of cpu-1 / cpu-2 (alternately) and on cpu-0. ``--clients`` closed-loop clients
+ask for ``--max-tokens`` tokens of a task drawn from a Zipf popularity (exponent ``--zipf``) whose
+ranking is reshuffled every ``--shift-s`` seconds (the same schedule in both arms).
+
+* **static**: the spread assignment stays as loaded;
+* **migration**: ``--pet-balance`` (PetS Algorithm 3; the interval adapts between 2 s and 20 s):
+  the coordinator moves tasks between cpu-1 and cpu-2 as their load drifts.
+
+Each arm starts a fresh cluster, loads the tasks, warms up for ``--warmup-s``, then counts the
+coordinator's generated tokens (``helix_generated_tokens_total``) over ``--duration-s``. Target (the
+issue's): migration's throughput >= 1.2x static's; no request fails in either arm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(1, str(ROOT / "bench"))
+
+import httpx  # noqa: E402
+import yaml  # noqa: E402
+from harness import RoundLog, Target, add_rounds_option, interleaved, make_console, report  # noqa: E402
+
+DEMO = ROOT / "clusters" / "demo" / "cluster.yaml"
+LAYOUT = {"cpu-0": (28, 30), "cpu-1": (0, 28), "cpu-2": (0, 28)}
+PINNED = {"cpu-1": [0], "cpu-2": [1]}  # one core per replica
+PROMPTS = [f"Write a short note about {topic}." for topic in ("the sea", "bread", "trains", "the moon", "music", "rain")]
+TARGET = 1.2
+ARMS = ("static", "migration")
+out = make_console()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def write_cluster(workdir: Path) -> tuple[Path, Path]:
+    """The demo cluster without its layer caps (cpu-1 and cpu-2 hold 28 layers) and the plan of :data:`LAYOUT`."""
+    from helix.profile import load_profiles_for
+    from helix.spec import load_cluster
+    from planner.api import finish_plan
+
+    root = workdir / "cluster"
+    shutil.copytree(DEMO.parent, root, ignore=shutil.ignore_patterns(".helix-profile-cache"))
+    raw = yaml.safe_load((root / "cluster.yaml").read_text())
+    for node in raw["nodes"]:
+        node.pop("max_layers", None)
+    (root / "cluster.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    cluster = load_cluster(root / "cluster.yaml")
+    plan_path = workdir / "plan.json"
+    finish_plan(cluster, load_profiles_for(cluster), LAYOUT, method="manual").save(plan_path)
+    return root / "cluster.yaml", plan_path
+
+
+def write_tasks(root: Path, count: int) -> list[tuple[str, Path]]:
+    from node_agent.config import load_config
+    from node_agent.gguf_convert import cached_model_dir
+    from node_agent.pet_samples import sample_tensors
+    from node_agent.task_files import save_pet
+
+    cfg = load_config(cached_model_dir())
+    tasks = []
+    for i in range(count):
+        name = f"task-{i:02d}"
+        if not (root / name / "pet_model.safetensors").is_file():
+            save_pet(root / name, "lora", sample_tensors("lora", cfg, 500 + i))
+        tasks.append((name, root / name))
+    return tasks
+
+
+class Serving:
+    """The agents of :data:`LAYOUT` (cpu-1, cpu-2 pinned) and ``helix serve`` with ``flags`` over them."""
+
+    def __init__(self, cluster_path: Path, plan_path: Path, workdir: Path, flags: list[str]) -> None:
+        import psutil
+
+        from router.launch import AgentProcesses
+
+        secret = secrets.token_hex(8)
+        self.agents = AgentProcesses(cluster_path, plan_path, workdir, secret=secret)
+        self.agents.start(LAYOUT)
+        addresses = self.agents.wait_ready(timeout_s=240)
+        for node, cores in PINNED.items():
+            if all(c < (os.cpu_count() or 1) for c in cores):
+                psutil.Process(self.agents.agents[node].pid).cpu_affinity(cores)
+        port = free_port()
+        cmd = [sys.executable, "-m", "helix.cli", "serve", "--cluster", str(cluster_path), "--plan", str(plan_path),
+               "--port", str(port), "--queue-bound", "4096", "--no-replan", "--task-placement", "spread", *flags,
+               *[f"--agent={n}={a}" for n, a in addresses.items()]]  # fmt: skip
+        log = open(workdir / "serve.log", "ab")  # noqa: SIM115 - kept open for the subprocess's life
+        self.serve = subprocess.Popen(cmd, env={**os.environ, "HELIX_SECRET": secret}, stdout=log, stderr=log)
+        self.url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.close()
+        raise RuntimeError("helix serve did not become ready")
+
+    def tokens(self) -> float:
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        match = re.search(r"^helix_generated_tokens_total ([0-9.e+]+)$", text, re.M)
+        return float(match.group(1)) if match else 0.0
+
+    def health(self) -> dict[str, Any]:
+        return dict(httpx.get(f"{self.url}/health", timeout=10).json())
+
+    def close(self) -> None:
+        self.serve.send_signal(signal.SIGTERM)
+        try:
+            self.serve.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.serve.kill()
+        self.agents.stop()
+
+
+def popularity(names: list[str], zipf: float, shift_s: float, seed: int, t: float) -> list[float]:
+    """Each task's weight at ``t`` seconds: Zipf over a ranking reshuffled every ``shift_s``."""
+    ranking = list(names)
+    random.Random(seed * 1_000 + int(t // shift_s)).shuffle(ranking)
+    rank = {name: r for r, name in enumerate(ranking)}
+    return [1.0 / (rank[n] + 1) ** zipf for n in names]
+
+
+def run_arm(args: argparse.Namespace, arm: str, workdir: Path, tasks: list[tuple[str, Path]], seed: int) -> dict[str, Any]:
+    cluster_path, plan_path = write_cluster(workdir)
+    flags = ["--pet-balance", "--pet-balance-interval-s", "2", "20"] if arm == "migration" else []
+    serving = Serving(cluster_path, plan_path, workdir, flags)
+    errors: list[str] = []
+    answered = [0]
+    try:
+        with httpx.Client(base_url=serving.url, timeout=600) as http:
+            for name, path in tasks:
+                response = http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})
+                if response.status_code != 200:
+                    raise RuntimeError(f"{name}: {response.text}")
+        names = [n for n, _ in tasks]
+        stop = threading.Event()
+        t0 = time.monotonic()
+
+        def client(i: int) -> None:
+            rng = random.Random(seed * 100 + i)
+            with httpx.Client(base_url=serving.url, timeout=600) as http:
+                while not stop.is_set():
+                    name = rng.choices(names, popularity(names, args.zipf, args.shift_s, seed, time.monotonic() - t0))[0]
+                    body = {"model": name, "prompt": rng.choice(PROMPTS), "max_tokens": args.max_tokens,
+                            "temperature": 0}
+                    try:
+                        response = http.post("/v1/completions", json=body)
+                        response.raise_for_status()
+                        answered[0] += 1
+                    except httpx.HTTPError as exc:
+                        errors.append(f"{name}: {exc!r}")
+
+        threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(args.clients)]
+        for thread in threads:
+            thread.start()
+        time.sleep(args.warmup_s)
+        start_tokens, start = serving.tokens(), time.monotonic()
+        time.sleep(args.duration_s)
+        tok_s = (serving.tokens() - start_tokens) / (time.monotonic() - start)
+        balance = serving.health().get("pet_balance")
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=600)
+    finally:
+        serving.close()
+    return {"tok_s": tok_s, "errors": errors, "answered": answered[0], "balance": balance}
+
+
+def bench_migration(args: argparse.Namespace) -> None:
+    log = RoundLog()
+    workdir = Path(tempfile.mkdtemp(prefix="helix-pets-migration-"))
+    try:
+        tasks = write_tasks(workdir / "tasks", args.tasks)
+        for r, arm in interleaved(ARMS, args.rounds):
+            out.print(f"[dim]migration: round {r + 1}, {arm} ({args.warmup_s + args.duration_s:.0f} s)...[/]")
+            result = run_arm(args, arm, workdir / f"{arm}-{r}", tasks, seed=r + 1)
+            out.print(f"  {arm}: {result['tok_s']:.1f} tok/s, {result['answered']} answered, "
+                      f"{len(result['errors'])} failed" + (f", balance {result['balance']}" if result["balance"] else ""))
+            for error in result["errors"][:3]:
+                out.print(f"[red]  failed: {error}[/]")
+            log.record(r, f"{arm} tok/s", result["tok_s"], "tok/s")
+            log.record(r, f"{arm} failed requests", len(result["errors"]), "")
+        log.ratio("migration ÷ static throughput", "migration tok/s", "static tok/s")
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    report(out, log, f"PET migration vs static, {args.tasks} tasks, Zipf {args.zipf} reshuffled every "
+                     f"{args.shift_s:.0f} s, {args.clients} clients, {args.duration_s:.0f} s per arm", {
+        "migration ÷ static throughput": Target(">=", TARGET),
+        "static failed requests": Target("<=", 0),
+        "migration failed requests": Target("<=", 0),
+    })  # fmt: skip
+
+
+def add_migration_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--duration-s", type=float, default=180.0, help="measured seconds per arm (default 180)")
+    ap.add_argument("--warmup-s", type=float, default=20.0, help="seconds of load before measuring (default 20)")
+    ap.add_argument("--shift-s", type=float, default=60.0, help="the popularity is reshuffled this often (default 60)")
+    ap.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of the tasks' popularity (default 1.1)")
+    ap.add_argument("--clients", type=int, default=12, help="closed-loop clients (default 12)")
+    ap.add_argument("--tasks", type=int, default=16, help="LoRA tasks (default 16)")
+    ap.add_argument("--max-tokens", type=int, default=16, help="tokens per answer (default 16)")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_migration_arguments(ap)
+    add_rounds_option(ap, 1, "a round runs both arms, each on a fresh cluster (about 8 minutes)")
+    bench_migration(ap.parse_args())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
