@@ -11,24 +11,41 @@ with an error naming the process and its log tail when one exits first or time r
 :meth:`Supervisor.stop` sends SIGTERM to every process group, SIGKILL to what is left after a
 grace period; :meth:`Supervisor.kill` sends one process kill -9 (the failover tests).
 :func:`cpu_seconds` is the CPU time a process used (psutil), for the benches.
+
+:class:`WorkerProcess` is a Python worker of this process (``multiprocessing``, *spawn*: a fresh
+interpreter, none of our threads or locks): it runs one call at a time out of our interpreter and
+sends the result back (the coordinator's re-planner, so that planning does not take the GIL from
+token handling). A call that outlives its deadline gets the worker killed; a worker that dies
+mid-call (killed, crashed) is reported as :class:`WorkerFailed`; the next call starts a fresh one.
+It is a daemon (gone when we exit) and ends by itself when its pipe closes (we died).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
+import multiprocessing
 import os
+import pickle
 import selectors
 import signal
 import subprocess
+import threading
 import time
+import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from pathlib import Path
+from typing import TypeVar
 
 import psutil
 
 from helix.errors import HelixError
+
+T = TypeVar("T")
 
 READY = "READY"
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -209,3 +226,144 @@ class Supervisor:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class WorkerFailed(HelixError):
+    """A worker process died during a call, or did not answer in time (and was killed)."""
+
+
+class WorkerProcess:
+    """A Python worker process that runs calls out of this interpreter, one at a time (see the module
+    doc). ``name`` says what it is in errors; ``preload``: modules it imports as it starts."""
+
+    def __init__(self, name: str, *, preload: Sequence[str] = ()) -> None:
+        self.name, self.preload = name, tuple(preload)
+        self._context = multiprocessing.get_context("spawn")
+        self._process: BaseProcess | None = None
+        self._conn: Connection | None = None
+        self._lock = threading.Lock()  # one call at a time; held for the whole round trip
+        self._closed = False
+
+    @property
+    def pid(self) -> int | None:
+        """The running worker's pid (None before the first start and after a death or close)."""
+        process = self._process
+        return process.pid if process is not None and process.is_alive() else None
+
+    def start(self) -> None:
+        """Start the worker now rather than at the first call (it imports ``preload`` meanwhile)."""
+        with self._lock:
+            self._ensure()
+
+    def call(self, fn: Callable[..., T], *args: object, timeout_s: float) -> T:
+        """``fn(*args)`` in the worker (``fn`` importable by name; arguments and result picklable), blocking
+        until it answers. Raises what ``fn`` raised (its traceback in the worker is in the exception's
+        notes), or :class:`WorkerFailed` when the worker dies meanwhile or does not answer within
+        ``timeout_s`` (it is killed then); the next call starts a fresh worker."""
+        with self._lock:
+            conn = self._ensure()
+            pid = self._process.pid if self._process is not None else None
+            try:
+                conn.send((fn, args))
+                answered = conn.poll(timeout_s)  # True at EOF too: recv tells
+                if answered:
+                    ok, value = conn.recv()
+            except (EOFError, OSError):
+                raise self._died(pid) from None
+            if not answered:
+                self._stop_process()
+                raise WorkerFailed(f"the {self.name} worker (pid {pid}) did not answer within {timeout_s:g} s; "
+                                   f"it was killed")  # fmt: skip
+        if ok:
+            return value  # type: ignore[no-any-return]
+        raise value
+
+    def close(self) -> None:
+        """Stop the worker (kill -9: its only state is the call in flight, which then fails with
+        WorkerFailed) and reap it; calls after this fail."""
+        self._closed = True
+        process = self._process
+        if process is not None and process.is_alive():
+            with contextlib.suppress(OSError, ValueError):
+                process.kill()
+        with self._lock:
+            self._stop_process()
+
+    # -- the lock held -----------------------------------------------------------------------------
+
+    def _ensure(self) -> Connection:
+        if self._closed:
+            raise WorkerFailed(f"the {self.name} worker is closed")
+        if self._process is not None and self._conn is not None and self._process.is_alive():
+            return self._conn
+        self._stop_process()
+        ours, theirs = self._context.Pipe()
+        process = self._context.Process(target=_serve_calls, args=(theirs, self.preload), name=f"helix-{self.name}",
+                                        daemon=True)  # fmt: skip
+        process.start()
+        theirs.close()
+        self._process, self._conn = process, ours
+        return ours
+
+    def _died(self, pid: int | None) -> WorkerFailed:
+        process = self._process
+        if process is not None:
+            process.join(timeout=5)
+        code = process.exitcode if process is not None else None
+        how = "its exit code unknown" if code is None else f"killed by signal {-code}" if code < 0 else \
+            f"exit code {code}"
+        self._stop_process()
+        return WorkerFailed(f"the {self.name} worker (pid {pid}) died during a call ({how})")
+
+    def _stop_process(self) -> None:
+        process, conn = self._process, self._conn
+        self._process = self._conn = None
+        if conn is not None:
+            conn.close()
+        if process is not None:
+            if process.is_alive():
+                process.kill()
+            process.join(timeout=10)
+            with contextlib.suppress(ValueError):  # still running after 10 s: left to the daemon cleanup
+                process.close()
+
+
+def _serve_calls(conn: Connection, preload: tuple[str, ...]) -> None:
+    """The worker's main: import ``preload``, then answer calls until the pipe closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's; it stops us
+    for module in preload:
+        importlib.import_module(module)
+    while True:
+        reply: tuple[bool, object]
+        try:
+            fn, args = conn.recv()
+        except (EOFError, OSError):
+            return  # the parent closed the pipe, or died
+        except Exception as exc:  # the call does not unpickle here (its function is not importable)
+            fn, args = _reraise, (exc,)
+        try:
+            reply = (True, fn(*args))
+        except Exception as exc:
+            reply = (False, _portable(exc, f"in the worker process (pid {os.getpid()}):\n{traceback.format_exc()}"))
+        try:
+            conn.send(reply)
+        except (BrokenPipeError, ConnectionError, EOFError):
+            return
+        except Exception as exc:  # the result does not pickle
+            conn.send((False, RuntimeError(f"the worker cannot send its result back: {type(exc).__name__}: {exc}")))
+
+
+def _reraise(exc: Exception) -> None:
+    raise exc
+
+
+def _portable(exc: Exception, note: str) -> Exception:
+    """``exc`` with ``note`` if it survives pickling (the parent re-raises it), else a RuntimeError naming it."""
+    exc.add_note(note)
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:
+        plain = RuntimeError(f"{type(exc).__name__}: {exc}")
+        plain.add_note(note)
+        return plain
+    return exc

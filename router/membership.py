@@ -23,7 +23,7 @@ growing versions), the reconfiguration in progress, and why the model cannot be 
   ``load_timeout_s`` [120 s]) keeps the old plan and is tried again after ``retry_s`` [15 s]; one
   whose new plan lost a node (it died or left) is planned again by the rules above.
 
-**A reconfiguration to plan v** (:class:`Phase`): PLANNING (``planner.replan`` on a worker thread,
+**A reconfiguration to plan v** (:class:`Phase`): PLANNING (``planner.replan`` in a worker process,
 :class:`StartReplan` -> :class:`Replanned` or :class:`ReplanFailed`); LOADING (SET_LAYERS(v) to every
 node whose range changes; every LAYERS ok awaited); TASKS (the registered fine-tuned tasks are sent
 again to those nodes for their new layers, :class:`ReloadTasks` -> :class:`TasksReloaded`); the switch

@@ -4,9 +4,14 @@ loop, its actions carried out.
 * In: the agents' membership events (joins, deaths, departures, LEAVING, LAYERS; the core has
   already applied them on the transport's I/O thread), a tick from the coordinator's watcher, and
   joins from ``POST /v1/cluster/join`` (:meth:`MembershipDriver.join`).
-* Out: a re-plan runs ``planner.replan`` on a worker thread (it takes seconds; the loop keeps
-  serving, though the planner's Python shares the GIL with it) over the cluster file's nodes less
-  those gone plus those joined (``planner.replan.without_nodes`` / ``with_nodes``); SET_LAYERS and
+* Out: a re-plan runs ``planner.replan`` in the re-planner's worker process (a
+  :class:`helix.processes.WorkerProcess`, started with the server by :meth:`MembershipDriver.start`
+  and stopped by :meth:`MembershipDriver.close`: planning takes seconds of CPU, and out of this
+  interpreter it does not take the GIL from token handling; a thread waits for its answer) over the
+  cluster file's nodes less those gone plus those joined (``planner.replan.without_nodes`` /
+  ``with_nodes``). A worker that dies or does not answer within twice the planner's time limit plus
+  :data:`REPLAN_SLACK_S` (it is killed) is a failed re-plan (:class:`ReplanFailed`: the old plan
+  stays, the change is tried again later) and the next re-plan starts a fresh worker. SET_LAYERS and
   RELEASE_LAYERS go out through the transport, which also dials joining nodes and forgets departed
   ones; the task registry sends the tasks again for new layers; a switch builds the new plan's
   router (:meth:`router.policy.Router.from_plan`) and hands it to the core
@@ -19,11 +24,12 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Protocol
 
 from helix.errors import HelixError, InfeasiblePlanError, RequestError
 from helix.plan import Plan
+from helix.processes import WorkerFailed, WorkerProcess
 from helix.profile import ProfileSet
 from helix.spec import ClusterSpec, NodeSpec
 from router.agents_io import AgentsIO
@@ -52,6 +58,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+REPLAN_SLACK_S = 30.0  # beyond twice the planner's limit: the worker's start (imports) on a busy machine
+
 
 class Serving(Protocol):
     """What the driver needs of the coordinator (:class:`router.coordinator.Coordinator`)."""
@@ -68,13 +76,26 @@ class MembershipDriver:
     """Runs the membership owner for ``serving`` (see the module doc); every method runs on the loop."""
 
     def __init__(self, serving: Serving, cluster: ClusterSpec, plan: Plan, profiles: ProfileSet,
-                 policy: MembershipPolicy, *, num_layers: int, watermark: float) -> None:  # fmt: skip
+                 policy: MembershipPolicy, *, num_layers: int, watermark: float,
+                 replan: Callable[..., Replan] | None = None) -> None:  # fmt: skip
+        """``replan``: what the worker runs, ``replan(cluster, profiles, plan, options) -> Replan``, importable by
+        name (default ``planner.replan.replan``; tests give others)."""
         self.serving = serving
         self.cluster = cluster  # the cluster file's: a re-plan's membership is these nodes less the gone plus the joined
         self.profiles, self.num_layers, self.watermark = profiles, num_layers, watermark
         self.membership = Membership(cluster, plan, policy, now=time.monotonic())
         self._clusters: dict[int, ClusterSpec] = {}  # version -> the membership its re-plan was made for
         self._background: set[asyncio.Future[None]] = set()
+        self._replan = replan
+        self.worker = WorkerProcess("re-planner", preload=("planner.replan",))
+
+    def start(self) -> None:
+        """Start the re-planner's worker (it imports the planner now rather than at the first re-plan)."""
+        self.worker.start()
+
+    def close(self) -> None:
+        """Stop the re-planner's worker (a re-plan in flight fails); the server is shutting down."""
+        self.worker.close()
 
     # -- inputs (the loop) -------------------------------------------------------------------------
 
@@ -141,9 +162,10 @@ class MembershipDriver:
         cluster = with_nodes(without_nodes(base, [n for n in base.node_ids if n not in keep]),
                              [n for n in action.nodes if n.id not in base.node_ids])  # fmt: skip
         self._clusters[action.version] = cluster
-        options = ReplanOptions(time_limit_s=self.membership.policy.replan_time_limit_s)
-        loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(None, replan, cluster, self.profiles, action.plan, options)
+        limit_s = self.membership.policy.replan_time_limit_s
+        call = functools.partial(self.worker.call, self._replan or replan, cluster, self.profiles, action.plan,
+                                 ReplanOptions(time_limit_s=limit_s), timeout_s=2 * limit_s + REPLAN_SLACK_S)  # fmt: skip
+        future = asyncio.get_running_loop().run_in_executor(None, call)
         future.add_done_callback(functools.partial(self._replanned, action.version))
 
     def _replanned(self, version: int, future: asyncio.Future[Replan]) -> None:
@@ -152,6 +174,9 @@ class MembershipDriver:
             result = future.result()
         except InfeasiblePlanError as exc:
             event = ReplanFailed(version, exc.message, infeasible=True)
+        except WorkerFailed as exc:
+            log.error("re-plan v%d failed: %s", version, exc.message)
+            event = ReplanFailed(version, exc.message, infeasible=False)
         except HelixError as exc:
             event = ReplanFailed(version, exc.message, infeasible=False)
         except Exception as exc:  # a planner bug: keep serving on the old plan

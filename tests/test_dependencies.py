@@ -80,7 +80,7 @@ def test_package_imports_follow_the_table(package: str) -> None:
 def test_router_uses_only_planner_graph() -> None:
     """The router's modules use planner's flow graph only (``planner.graph`` and the capacities it is built
     from, ``planner.capacity``); its CLI wrapper may plan lazily, and live membership's driver may re-plan
-    lazily (``planner.replan``, on a worker thread, when nodes join, leave or die)."""
+    lazily (``planner.replan``, run in its worker process, when nodes join, leave or die)."""
     if not (ROOT / "router").is_dir():
         pytest.skip("router/ does not exist yet")
     bad = []

@@ -1,16 +1,19 @@
 """The supervisor of local processes (helix.processes), on real child processes: ready lines, errors that
-name the process and show its log, stop (SIGTERM, then SIGKILL), kill -9, restarts and CPU seconds."""
+name the process and show its log, stop (SIGTERM, then SIGKILL), kill -9, restarts and CPU seconds; the
+Python worker process: calls run in it, their errors come back, close leaves none."""
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from helix.errors import HelixError
-from helix.processes import Supervisor, cpu_seconds
+from helix.processes import Supervisor, WorkerFailed, WorkerProcess, cpu_seconds
 
 
 def py(code: str) -> list[str]:
@@ -85,3 +88,18 @@ def test_cpu_seconds_of_a_busy_process(tmp_path: Path) -> None:
         busy = procs.start("busy", py("import time\nwhile time.process_time() < 0.3: pass\n" + SERVE))
         procs.wait_ready(timeout_s=60)
         assert cpu_seconds(busy.pid) >= 0.2
+
+
+def test_a_worker_runs_calls_out_of_this_process_sends_their_errors_back_and_closes() -> None:
+    worker = WorkerProcess("test", preload=("json",))
+    worker.start()
+    pid = worker.pid
+    assert pid is not None and worker.call(os.getpid, timeout_s=60) == pid != os.getpid()
+    with pytest.raises(ValueError) as failed:
+        worker.call(int, "x", timeout_s=60)
+    assert f"in the worker process (pid {pid})" in "".join(failed.value.__notes__)
+    assert worker.call(sorted, [3, 1, 2], timeout_s=60) == [1, 2, 3] and worker.pid == pid  # the same worker
+    worker.close()
+    assert worker.pid is None and not psutil.pid_exists(pid)
+    with pytest.raises(WorkerFailed, match="closed"):
+        worker.call(os.getpid, timeout_s=60)
