@@ -3,9 +3,13 @@
     python bench/elastic.py [--only planner] [--objective max-flow|serving|both] [--nodes a100-6,t4-1]
                             [--time-limit 10] [--scratch-limit 30] [--full-limit 60] [--rounds 1] [--quick]
     python bench/elastic.py --only cluster [--clients 16] [--max-tokens 64] [--victim cpu-0] [--rounds 1]
+    python bench/elastic.py --only soak [--duration-s 300] [--events 20] [--seed 0] [--clients 16] [--max-agents 4]
 
 **cluster** — the demo cluster serving while a node dies and a replacement joins
 (``bench/elastic_cluster.py``: its docstring says how, and the targets).
+
+**soak** — the demo cluster serving 16 clients through 20 random kills, leaves and joins in 5 minutes:
+no request lost, none wrong, the coordinator's memory bounded (``bench/elastic_soak.py``).
 
 **planner** — the planner alone on the paper's 24-node cluster (``clusters/helix-paper-single24``).
 Starting from our plan of the full cluster (``make_plan``, the objective named, ``--full-limit``
@@ -55,6 +59,7 @@ from planner.replan import ReplanOptions, replan, without_nodes  # noqa: E402
 
 sys.path.insert(1, str(ROOT / "bench"))  # after the packages: bench/planner.py must not shadow planner/
 from elastic_cluster import add_cluster_arguments, bench_cluster  # noqa: E402
+from elastic_soak import add_soak_arguments, bench_soak  # noqa: E402
 from harness import RoundLog, Target, add_rounds_option, format_value, make_console, report  # noqa: E402
 
 SINGLE24 = ROOT / "clusters" / "helix-paper-single24" / "cluster.yaml"
@@ -158,9 +163,11 @@ def bench_planner(args: argparse.Namespace, objective: str) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=("planner", "cluster"), default="planner",
-                    help="which part: the planner alone on single24, or the demo cluster serving (bench/elastic_cluster.py)")
+    ap.add_argument("--only", choices=("planner", "cluster", "soak"), default="planner",
+                    help="which part: the planner alone on single24, the demo cluster serving (bench/elastic_cluster.py), "
+                         "or its soak (bench/elastic_soak.py)")
     add_cluster_arguments(ap)
+    add_soak_arguments(ap)
     ap.add_argument("--objective", choices=("max-flow", "serving", "both"), default="both")
     ap.add_argument("--nodes", help="comma-separated nodes to remove (default: every node)")
     ap.add_argument("--time-limit", type=float, default=TIME_TARGET_S, help="re-plan time limit, s (default 10)")
@@ -173,6 +180,9 @@ def main() -> int:
     args.full_limit = args.full_limit or (20.0 if args.quick else 60.0)
     if args.only == "cluster":
         bench_cluster(args)
+        return 0
+    if args.only == "soak":
+        bench_soak(args)
         return 0
     for objective in ("max-flow", "serving") if args.objective == "both" else (args.objective,):
         bench_planner(args, objective)

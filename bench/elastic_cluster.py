@@ -125,12 +125,31 @@ class Cluster:
         self.agents.stop()
 
 
+class LostRequest(Exception):
+    """A request that did not end with ``data: [DONE]`` (an HTTP error, an error chunk)."""
+
+
+def stream_answer(http: httpx.Client, prompt: str, max_tokens: int) -> str:
+    """One streamed greedy chat answer to ``prompt``: its text; LostRequest when it did not finish."""
+    body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True}  # fmt: skip
+    with http.stream("POST", "/v1/chat/completions", json=body) as resp:
+        lines = [line for line in resp.iter_lines() if line]
+    if resp.status_code != 200 or lines[-1:] != ["data: [DONE]"] or \
+            any(line.startswith('data: {"error"') for line in lines):
+        raise LostRequest(f"HTTP {resp.status_code}: {' '.join(lines)[-200:]}")
+    chunks = [json.loads(line[len("data: "):]) for line in lines[:-1] if line.startswith("data: ")]
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
+
+
 class Load:
-    """``n`` threads streaming answers in a loop; a sampler of the coordinator's token count."""
+    """``n`` threads streaming answers in a loop (each answer's prompt and text kept in ``texts``); a sampler
+    of the coordinator's token count."""
 
     def __init__(self, cluster: Cluster, n: int, max_tokens: int) -> None:
         self.cluster, self.max_tokens, self.stop = cluster, max_tokens, threading.Event()
         self.answered, self.errors = 0, []  # type: ignore[var-annotated]
+        self.texts: list[tuple[str, str]] = []  # (prompt, answer), in the order they finished
         self.samples: list[tuple[float, float]] = []
         self.threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(n)]
         self.threads.append(threading.Thread(target=self._sample, daemon=True))
@@ -140,17 +159,14 @@ class Load:
     def _client(self, i: int) -> None:
         with httpx.Client(base_url=self.cluster.url, timeout=600) as http:
             while not self.stop.is_set():
-                body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
-                        "max_tokens": self.max_tokens, "temperature": 0, "stream": True}  # fmt: skip
+                prompt = PROMPTS[i % len(PROMPTS)]
                 i += 1
                 try:
-                    with http.stream("POST", "/v1/chat/completions", json=body) as resp:
-                        lines = [line for line in resp.iter_lines() if line]
-                    if resp.status_code != 200 or lines[-1:] != ["data: [DONE]"] or \
-                            any(line.startswith('data: {"error"') for line in lines):
-                        self.errors.append(f"HTTP {resp.status_code}: {' '.join(lines)[-200:]}")
-                    else:
-                        self.answered += 1
+                    text = stream_answer(http, prompt, self.max_tokens)
+                    self.texts.append((prompt, text))
+                    self.answered += 1
+                except LostRequest as exc:
+                    self.errors.append(str(exc))
                 except httpx.HTTPError as exc:
                     self.errors.append(f"{type(exc).__name__}: {exc}")
 
