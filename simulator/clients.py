@@ -19,6 +19,10 @@ no bound and no deadline (the simulator measures what waiting costs instead of r
 * **Offline, ``max_inflight`` N**: N clients in a closed loop, each sending its next request when
   its last one ends (the paper's protocol for the routers that cannot refuse a request).
 
+While no route is left (a membership trace, :mod:`simulator.membership`), the offline clients send
+nothing, and they start again as at the start once the core has a route (:meth:`Clients.resume`);
+online requests arriving meanwhile are refused, as the server refuses them (503).
+
 What is measured (inside the window ``[warmup_s, warmup_s + duration_s)``): prompt latency
 (arrival to first token, and admission to first token as the paper's simulator counts it),
 decode latency (time between a request's consecutive tokens), prompt tokens of the requests
@@ -62,6 +66,7 @@ class Clients:
         self.window = (config.warmup_s, config.warmup_s + config.duration_s)
         self.timing: dict[str, Timing] = {}
         self.issued = self.admitted = self.finished = self.failed = 0
+        self.refused = 0  # of the failed: refused by the core when sent (no route, or it could never fit)
         self.decode_tokens = self.prompt_tokens = 0
         self.prompt_lat: list[float] = []
         self.prompt_lat_admitted: list[float] = []
@@ -104,6 +109,7 @@ class Clients:
         except HelixError:
             del self.timing[rid]
             self.failed += 1
+            self.refused += 1
             return False
         return True
 
@@ -143,11 +149,17 @@ class Clients:
                     self.failed += 1
         return self._feed(completed, now) if self.cfg.mode == "offline" else False
 
+    def resume(self, now: float) -> bool:
+        """Offline: the cluster has a route again after it had none (a membership trace): feed as at the start."""
+        return self._feed(self.cfg.offline_initial, now) if self.cfg.mode == "offline" else False
+
     def _can_send(self) -> bool:
         return self.cfg.num_requests is None or self.issued < self.cfg.num_requests
 
     def _feed(self, budget: int, now: float) -> bool:
         core, sent = self.core, False
+        if not core.ready:  # no route (a membership trace): wait for one (resume) rather than be refused
+            return False
         fixed = self.cfg.max_inflight
         if fixed is not None:  # closed loop: a new request for every one that ended
             while self._can_send() and len(core.requests) < fixed:

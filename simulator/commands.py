@@ -5,9 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from typing import TYPE_CHECKING, Any
 
 from helix.errors import ConfigError
 from simulator.routing import ROUTERS
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 DEFAULT_LOAD = 0.75  # online without --rate/--load: this fraction of the plan's max flow
 
@@ -47,6 +51,10 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tasks", metavar="MIX",
                    help="fine-tuned tasks every request is drawn from evenly: N (N LoRA tasks) or TYPE:N,... (e.g. "
                         "lora:32,adapter:8); 0: the base model only; default: the cluster file's tasks (docs/pets.md)")
+    p.add_argument("--membership", metavar="TRACE",
+                   help="replay a membership trace (YAML: nodes killed, leaving and joining at times; docs/simulator.md): "
+                        "the coordinator re-plans as helix serve does, and the results say what it cost")
+    p.add_argument("--bucket-s", type=float, default=10.0, help="the throughput time line's window (simulated s)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
@@ -61,12 +69,15 @@ def run_simulate(args: argparse.Namespace) -> int:
     from helix.spec import load_cluster
     from planner.api import load_for_evaluation
     from simulator.engine import SimConfig, simulate
+    from simulator.membership_trace import load_membership_trace
     from simulator.results import LEGACY_MECHANISMS
     from simulator.tasks import parse_task_mix
     from simulator.workload import load_trace
 
     if args.duration <= 0 or args.warmup < 0:
         raise ConfigError("--duration must be positive and --warmup not negative", field="--duration")
+    if args.bucket_s <= 0:
+        raise ConfigError(f"must be positive, got {args.bucket_s}", field="--bucket-s")
     for flag, value in (("--chunk-tokens", args.chunk_tokens), ("--host-cores", args.host_cores)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} must be at least 1, got {value}", field=flag)
@@ -76,25 +87,27 @@ def run_simulate(args: argparse.Namespace) -> int:
     for line in warnings:
         Console(stderr=True, highlight=False).print(f"[bold yellow]warning:[/] {escape(line)}")
     trace = load_trace(args.trace) if args.trace else None
+    membership = load_membership_trace(args.membership, cluster, plan, profiles) if args.membership else None
     mode = "online" if trace is not None else args.mode
     load = DEFAULT_LOAD if args.load is None and args.rate is None else args.load
     cfg = SimConfig(mode=mode, router=args.router, duration_s=args.duration, warmup_s=args.warmup, seed=args.seed,
                     lengths=args.lengths, rate_per_s=args.rate, load=load, cv=args.cv, trace=trace,
                     watermark=args.watermark, max_inflight=args.max_inflight, host_cores=args.host_cores,
                     prefill_chunk_tokens=args.chunk_tokens, flows=args.flows,
-                    per_request_messages=args.per_request_messages,
+                    per_request_messages=args.per_request_messages, bucket_s=args.bucket_s,
                     task_mix=parse_task_mix(args.tasks) if args.tasks is not None else None,
                     **(LEGACY_MECHANISMS if args.legacy_mechanisms else {}))  # type: ignore[arg-type]
     total = args.warmup + args.duration
     if args.json:
-        result = simulate(cluster, profiles, plan, cfg)
+        result = simulate(cluster, profiles, plan, cfg, membership=membership)
         print(json.dumps(_clean(result.to_json()), indent=2))
         return 0
     console = Console()
     with Progress(TextColumn("[bold]simulating[/]"), BarColumn(), TextColumn("{task.completed:.0f}/{task.total:.0f} sim-s"),
                   TimeElapsedColumn(), console=console, transient=True) as bar:
         task = bar.add_task("sim", total=total)
-        result = simulate(cluster, profiles, plan, cfg, progress=lambda t: bar.update(task, completed=min(t, total)))
+        result = simulate(cluster, profiles, plan, cfg, progress=lambda t: bar.update(task, completed=min(t, total)),
+                          membership=membership)  # fmt: skip
     t = Table(title=f"{cluster.name}: {plan.method} placement, {args.router} routing, {mode}")
     t.add_column("metric")
     t.add_column("value", justify="right")
@@ -110,11 +123,54 @@ def run_simulate(args: argparse.Namespace) -> int:
     nt = Table(title="per node")
     for col in ("node", "layers", "utilization", "KV peak (true)", "KV peak (router estimate)"):
         nt.add_column(col, justify="left" if col == "node" else "right")
-    for node, (s, e) in sorted(plan.placement.items(), key=lambda x: (x[1][0], x[0])):
-        nt.add_row(node, f"[{s},{e})", f"{result.node_utilization[node]:.0%}", f"{result.kv_peak_fraction[node]:.0%}",
-                   f"{result.kv_estimate_peak_fraction.get(node, 0.0):.0%}")
+    placement = {n: tuple(r) for n, r in (result.membership or {}).get("placement", plan.placement).items()}
+    for node in sorted(result.node_utilization, key=lambda n: (placement.get(n, (math.inf,))[0], n)):
+        rng = placement.get(node)
+        nt.add_row(node, f"[{rng[0]},{rng[1]})" if rng else "gone", f"{result.node_utilization[node]:.0%}",
+                   f"{result.kv_peak_fraction[node]:.0%}", f"{result.kv_estimate_peak_fraction.get(node, 0.0):.0%}")
     print_table(console, nt)
+    if result.membership is not None:
+        print_membership(console, result.membership, result.throughput_over_time, args.bucket_s)
     return 0
+
+
+def print_membership(console: Console, report: dict[str, Any], timeline: list[tuple[float, float]],
+                     bucket_s: float) -> None:  # fmt: skip
+    """A membership trace's cost: the re-plans and their layer moves, failovers, losses, the throughput time line."""
+    from rich.table import Table
+
+    from helix.console import print_table
+
+    rt = Table(title="re-plans (planner.replan)")
+    for col in ("v", "why", "started s", "planned s", "routed s", "outcome", "nodes moved", "layers loaded"):
+        rt.add_column(col, justify="left" if col in ("why", "outcome") else "right")
+    for r in report["replans"]:
+        moves = r["replan"].get("moves", [])
+        rt.add_row(str(r["version"]), "; ".join(r["reasons"]), f"{r['started_s']:.1f}", _s(r["planned_s"]),
+                   _s(r["switched_s"]), r["outcome"], str(len(moves)), str(r["replan"].get("layers_moved", "")))
+    print_table(console, rt)
+    for r in report["replans"]:
+        moves = r["replan"].get("moves", [])
+        if moves:
+            console.print(f"v{r['version']} moves: " + "; ".join(f"{m['node']} {_pair(m['before'])} -> {_pair(m['after'])}"
+                                                               for m in moves), highlight=False)  # fmt: skip
+    console.print(f"requests re-prefilled (failover): {report['requests_rerouted']}; requests lost: "
+                  f"{report['lost_requests']}; time some layer had no live node: {report['uncovered_s']:.1f} s"
+                  + (f"; unavailable: {report['unavailable']}" if report["unavailable"] else ""))
+    tt = Table(title=f"decode throughput per {bucket_s:g} s")
+    tt.add_column("until s", justify="right")
+    tt.add_column("tok/s", justify="right")
+    for t, tok_s in timeline:
+        tt.add_row(f"{t:g}", f"{tok_s:.1f}")
+    print_table(console, tt)
+
+
+def _s(t: float | None) -> str:
+    return "-" if t is None else f"{t:.1f}"
+
+
+def _pair(rng: list[int] | None) -> str:
+    return "-" if rng is None else f"[{rng[0]},{rng[1]})"
 
 
 def describe_load(args: argparse.Namespace, mode: str, trace_requests: int | None) -> str:

@@ -9,7 +9,8 @@ Who owns what (the model and its calibration: ``docs/simulator.md``):
   carries what it schedules (ADMIT, STEP, CANCEL) over the simulated links, and hands it what
   reaches the coordinator (TOKENS and REFUSED from the nodes, every node's KV report each
   ``kv_report_interval_s``) with :meth:`~router.core.CoordinatorCore.update_from_output`. Every
-  node joins at time 0 (a WELCOME with its layers and KV capacity); none fails.
+  node joins at time 0 (a WELCOME with its layers and KV capacity); none fails, unless a membership
+  trace (:mod:`simulator.membership`) kills, drains and adds nodes and re-plans as the server does.
 * **The nodes** (:mod:`simulator.nodes`) run the agents' scheduler and KV account; an
   iteration's cost comes from the profile (:mod:`helix.perf_model`, as the planner prices it).
   When idle, a node starts its next iteration as soon as something arrives, or
@@ -45,14 +46,16 @@ from router.policy import Router
 from simulator.clients import Clients
 from simulator.hosts import SharedHost
 from simulator.links import Links
-from simulator.nodes import NodeInput, SimNode, build_nodes
+from simulator.membership import MembershipReplay
+from simulator.membership_trace import MembershipTrace
+from simulator.nodes import NodeInput, Observe, SimNode, build_nodes
 from simulator.results import SimConfig, SimResult, percentiles
 from simulator.routing import judge_router, make_router
 from simulator.tasks import TaskMix
 
 __all__ = ["SimConfig", "SimResult", "Simulation", "simulate"]
 
-_DONE, _AT_NODE, _AT_COORD, _NEW, _REPORT, _WAKE = 0, 1, 2, 3, 4, 5
+_DONE, _AT_NODE, _AT_COORD, _NEW, _REPORT, _WAKE, _CALL = 0, 1, 2, 3, 4, 5, 6
 UNBOUNDED = 2**62  # the core's queue bound in the simulator: it never refuses for a full queue
 
 
@@ -64,33 +67,29 @@ def _host(address: str | None) -> str | None:
 class Simulation:
     """One run: build from a plan, then :meth:`run`. Deterministic for ``config.seed``."""
 
-    def __init__(self, cluster: ClusterSpec, profiles: ProfileSet, plan: Plan, config: SimConfig) -> None:
+    def __init__(self, cluster: ClusterSpec, profiles: ProfileSet, plan: Plan, config: SimConfig,
+                 membership: MembershipTrace | None = None) -> None:  # fmt: skip
         config.check()
         self.cfg = config
+        self.profiles = profiles
         model = profiles.models[cluster.model]
         self.num_layers = model.num_layers
         self.act_bytes = model.activation_bytes_per_token
         self.tok_bytes = model.token_bytes
         self.coord = cluster.coordinator.id
-        if config.flows == "judge":
-            base = judge_router(plan, cluster, profiles, watermark=config.watermark,
-                                expected_output_tokens=config.expected_output_tokens)  # fmt: skip
-        else:
-            base = Router.from_plan(plan, cluster, profiles, watermark=config.watermark,
-                                    expected_output_tokens=config.expected_output_tokens)  # fmt: skip
         self.placement = dict(plan.placement)
-        tasks = TaskMix.resolve(config.task_mix, cluster, model, config.seed)
-        self.nodes: dict[str, SimNode] = build_nodes(cluster, profiles, plan, config,
-                                                     {n: kv.capacity for n, kv in base.kv.nodes.items()},
-                                                     tasks.pet_of if tasks is not None else None)  # fmt: skip
-        initial = {n.id: n.k * n.curves.decode_ms(1) / 1000.0 for n in self.nodes.values()}
-        router, swarm = make_router(config.router, base, seed=config.seed, queue_len=lambda n: self.nodes[n].queued(),
-                                    swarm_initial_s=initial)  # fmt: skip
-        self.observe = swarm.observe if swarm is not None else None
+        self.tasks = tasks = TaskMix.resolve(config.task_mix, cluster, model, config.seed)
+        self.nodes: dict[str, SimNode] = {}
+        self.retired: dict[str, SimNode] = {}  # nodes that died or left (membership traces), for the results
+        base = self.base_router(plan, cluster)
+        self.nodes.update(build_nodes(cluster, profiles, plan, config, self.kv_entries(base),
+                                      tasks.pet_of if tasks is not None else None))  # fmt: skip
+        self.observe: Observe | None = None
+        router = self.router_of(base)
         self.core = CoordinatorCore(router, queue_bound=UNBOUNDED, admission_timeout_s=math.inf)
-        self.core.update_from_output([AgentJoined(n.id, wire.Welcome(n.id, n.start, n.end, n.kv_tokens,
-                                                                     cluster.node(n.id).address or ""))
-                                      for n in self.nodes.values()], 0.0)  # fmt: skip
+        joined = [AgentJoined(n.id, wire.Welcome(n.id, n.start, n.end, n.kv_tokens, cluster.node(n.id).address or ""))
+                  for n in self.nodes.values()]  # fmt: skip
+        self.core.update_from_output(joined, 0.0)
         self.links = Links(cluster)
         self.mean_tokens = config.expected_output_tokens + 763.0
         self.max_flow = plan.max_flow_tok_s or 1.0
@@ -102,6 +101,47 @@ class Simulation:
         self.heap: list[tuple[Any, ...]] = []
         self.seq = 0
         self.now = 0.0
+        self.replay = MembershipReplay(self, cluster, plan, membership, joined) if membership is not None else None
+
+    def base_router(self, plan: Plan, cluster: ClusterSpec) -> Router:
+        """IWRR with KV masking over ``plan``'s flows (or the judge's, ``flows="judge"``)."""
+        cfg = self.cfg
+        if cfg.flows == "judge":
+            return judge_router(plan, cluster, self.profiles, watermark=cfg.watermark,
+                                expected_output_tokens=cfg.expected_output_tokens)  # fmt: skip
+        return Router.from_plan(plan, cluster, self.profiles, watermark=cfg.watermark,
+                                expected_output_tokens=cfg.expected_output_tokens)  # fmt: skip
+
+    def router_of(self, base: Router) -> Router:
+        """``base`` as the configured router (``SimConfig.router``); Swarm's feedback goes to its new state."""
+        initial = {n.id: n.k * n.curves.decode_ms(1) / 1000.0 for n in self.nodes.values()}
+        router, swarm = make_router(self.cfg.router, base, seed=self.cfg.seed, swarm_initial_s=initial,
+                                    queue_len=lambda n: self.nodes[n].queued() if n in self.nodes else 0)  # fmt: skip
+        self.observe = swarm.observe if swarm is not None else None
+        return router
+
+    @staticmethod
+    def kv_entries(router: Router) -> dict[str, float]:
+        return {n: kv.capacity for n, kv in router.kv.nodes.items()}
+
+    # -- membership (simulator.membership) ----------------------------------------------------
+
+    def at(self, t: float, call: Callable[[], None]) -> None:
+        """Run ``call`` at simulated time ``t``."""
+        self._push(t, _CALL, call)
+
+    def add_node(self, node: SimNode, cluster: ClusterSpec) -> None:
+        """``node`` (of ``cluster``, which gives its links) serves from now on."""
+        self.nodes[node.id] = node
+        self.links.add(cluster)
+        self.host_of[node.id] = _host(cluster.node(node.id).address) or node.id
+        self.hosts.setdefault(self.host_of[node.id], SharedHost(self.cfg.host_cores or 1))
+
+    def remove_node(self, nid: str) -> None:
+        """``nid`` stops: what reaches it is lost, its running iteration never ends."""
+        n = self.retired[nid] = self.nodes.pop(nid)
+        if n.busy and self.cfg.host_cores is not None:
+            self.hosts[self.host_of[nid]].finish(n, self.now, self._schedule_end)
 
     def kv_bound_inflight(self) -> int:
         """Requests the fullest layer's KV holds at ``feed_hwm`` with the expected length (an
@@ -143,7 +183,7 @@ class Simulation:
             if not self.clients.record(out.outputs, self.now):
                 return
 
-    def _to_coordinator(self, events: list[AgentEvent]) -> None:
+    def to_coordinator(self, events: list[AgentEvent]) -> None:
         self.core.update_from_output(events, self.now)
         self._coordinate()
 
@@ -198,7 +238,7 @@ class Simulation:
         t0, t1 = self.window
         if t0 <= self.now < t1:
             self.clients.inflight_samples.append(self.core.running)
-        self._to_coordinator([KVReported(n.id, *n.kv_report()) for n in self.nodes.values()])
+        self.to_coordinator([KVReported(n.id, *n.kv_report()) for n in self.nodes.values()])
 
     # -- run ----------------------------------------------------------------------------------
 
@@ -213,6 +253,8 @@ class Simulation:
             self._coordinate()
         if cfg.kv_report_interval_s > 0:
             self._push(cfg.kv_report_interval_s, _REPORT, None)
+        if self.replay is not None:
+            self.replay.start(end)
         heap, pop, nodes, clients = self.heap, heapq.heappop, self.nodes, self.clients
         events = 0
         drain = cfg.num_requests is not None
@@ -225,15 +267,19 @@ class Simulation:
             self.now = t
             events += 1
             if kind == _AT_COORD:
-                self._to_coordinator(b)
+                self.to_coordinator(b)
             elif kind == _AT_NODE:
-                self._arrive(nodes[a], b, gather)
+                if a in nodes:  # else it died or left: the message is lost
+                    self._arrive(nodes[a], b, gather)
             elif kind == _DONE:
-                if b == a.version:  # else superseded: the host's share changed since it was scheduled
-                    self._node_done(a)
+                live = nodes.get(a.id)
+                if live is a and live is not None and b == live.version:  # else dead, or superseded (a host's share)
+                    self._node_done(live)
             elif kind == _WAKE:
                 a.waking = False
                 self._try_start(a)
+            elif kind == _CALL:
+                a()
             elif kind == _NEW:
                 clients.send(a, t)
                 self._coordinate()
@@ -253,7 +299,7 @@ class Simulation:
         t0, t1 = self.window
         span = max(1e-9, min(t1, self.now) - t0) if cfg.num_requests is None else max(1e-9, self.now - t0)
         kv_est = self.core.router.kv.peak_estimate
-        nodes = self.nodes
+        nodes = {**self.retired, **self.nodes}
         return SimResult(
             config=cfg,
             sim_end_s=self.now,
@@ -271,6 +317,7 @@ class Simulation:
             throughput_over_time=[((i + 1) * cfg.bucket_s, x / cfg.bucket_s) for i, x in enumerate(c.buckets)
                                   if (i + 1) * cfg.bucket_s <= min(t1, self.now) + 1e-9],
             events=events,
+            membership=self.replay.report(self.now) if self.replay is not None else None,
             extra={"mean_inflight": float(np.mean(c.inflight_samples)) if c.inflight_samples else math.nan,
                    "failed_requests": float(c.failed),
                    **{f"prompt_latency_from_admission_{k}_s": v for k, v in percentiles(c.prompt_lat_admitted).items()}},
@@ -278,5 +325,5 @@ class Simulation:
 
 
 def simulate(cluster: ClusterSpec, profiles: ProfileSet, plan: Plan, config: SimConfig,
-             progress: Callable[[float], None] | None = None) -> SimResult:
-    return Simulation(cluster, profiles, plan, config).run(progress)
+             progress: Callable[[float], None] | None = None, membership: MembershipTrace | None = None) -> SimResult:
+    return Simulation(cluster, profiles, plan, config, membership).run(progress)

@@ -19,11 +19,14 @@ class Links:
     __slots__ = ("_links",)
 
     def __init__(self, cluster: ClusterSpec) -> None:
-        # (src, dst) -> [free from (s), bytes per second, latency (s)]
-        self._links: dict[tuple[str, str], list[float]] = {
-            key: [0.0, gbps_to_bytes_per_s(link.bandwidth_gbps), link.latency_ms / 1000.0]
-            for key, link in cluster.resolved_links().items()
-        }
+        self._links: dict[tuple[str, str], list[float]] = {}  # (src, dst) -> [free from (s), bytes/s, latency (s)]
+        self.add(cluster)
+
+    def add(self, cluster: ClusterSpec) -> None:
+        """The links of ``cluster`` not known yet (a node joined)."""
+        for key, link in cluster.resolved_links().items():
+            if key not in self._links:
+                self._links[key] = [0.0, gbps_to_bytes_per_s(link.bandwidth_gbps), link.latency_ms / 1000.0]
 
     def arrival(self, src: str, dst: str, nbytes: float, now: float) -> float:
         """Send ``nbytes`` from ``src`` to ``dst`` at ``now``: when the message arrives."""

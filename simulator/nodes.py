@@ -23,9 +23,9 @@ as its KV reserves, as those vLLM nodes do (the agent bounds them by ``--max-bat
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 from helix import wire
 from helix.domain import ErrorCode, Stage, token_finish
@@ -36,59 +36,13 @@ from helix.profile import ProfileSet
 from helix.spec import ClusterSpec
 from node_agent.kv_account import KVAccount
 from node_agent.scheduler import Batch, Scheduler, SchedulerConfig
+from simulator.iteration_limits import IterationLimits
 from simulator.results import SimConfig
-from simulator.tasks import span_tasks
+from simulator.tasks import group_tasks, span_tasks
 
+Group = int | tuple[int, int]  # requests priced together: the first layer they run here (or their range here)
 TOKEN = 0  # what every simulated sample yields: only how many tokens there are matters
 UNBOUNDED_KV_TOKENS = 2**40  # a node whose profile gives no KV capacity
-
-
-@dataclass(frozen=True, slots=True)
-class IterationLimits:
-    """What one iteration of the paper's vLLM nodes may hold (its artifact's ``execution_policy.py``):
-    at most ``decodes`` decoding requests whose contexts sum to at most ``decode_context``, and, with
-    whole prompts (``chunked`` False), at most ``prompt_tokens`` prompt tokens in at most ``prompts``
-    prompts (the first prompt always runs). ``None``: no such limit."""
-
-    decodes: int
-    prompt_tokens: int
-    prompts: int | None = None
-    decode_context: float | None = None
-    chunked: bool = False
-
-    def trim(self, batch: Batch) -> Batch:
-        """``batch`` less what passes the limits; what is left out stays pending for a later iteration.
-        Decodes that do not fit are skipped (a shorter context may still fit), prompts stop at the first
-        that does not (first come, first served, as the scheduler takes them)."""
-        if len(batch.work) < 2:  # the first decode and the first prompt always run
-            return batch
-        work, cut = [], False
-        decodes = prompts = tokens = context = 0
-        for w in batch.work:
-            if not w.is_prefill:
-                ctx = w.first_position + 1
-                if decodes >= self.decodes or (self.decode_context is not None and decodes
-                                               and context + ctx > self.decode_context):  # fmt: skip
-                    cut = True
-                    continue
-                decodes += 1
-                context += ctx
-            elif not self.chunked:
-                if prompts and (tokens + w.num_tokens > self.prompt_tokens
-                                or (self.prompts is not None and prompts >= self.prompts)):  # fmt: skip
-                    cut = True
-                    break
-                prompts += 1
-                tokens += w.num_tokens
-            work.append(w)
-        return Batch(work, batch.admitted) if cut else batch
-
-    def passed(self, decodes: int, context: int, prompts: int, prompt_tokens: int) -> bool:
-        """Whether a batch of these totals passes the limits (:meth:`trim` would cut it)."""
-        if decodes > self.decodes or (self.decode_context is not None and decodes > 1 and context > self.decode_context):
-            return True
-        return not self.chunked and prompts > 1 and (prompt_tokens > self.prompt_tokens
-                                                     or (self.prompts is not None and prompts > self.prompts))  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,13 +60,13 @@ class StepCosts:
 class Visit:
     """One request on one node (the agent's route): its pipeline, this node's hop, what it generated here."""
 
-    __slots__ = ("stages", "hop", "entry", "prompt", "max_tokens", "last", "loops", "next_node", "generated", "t_in",
-                 "task")
+    __slots__ = ("stages", "hop", "entry", "exit", "prompt", "max_tokens", "last", "loops", "next_node", "generated",
+                 "t_in", "task")
 
     def __init__(self, stages: tuple[Stage, ...], hop: int, prompt: int, max_tokens: int, now: float,
                  task: str = "") -> None:  # fmt: skip
         self.stages, self.hop, self.prompt, self.max_tokens, self.task = stages, hop, prompt, max_tokens, task
-        self.entry = stages[hop].layer_start
+        self.entry, self.exit = stages[hop].layer_start, stages[hop].layer_end  # the layers it runs here
         self.last = hop == len(stages) - 1
         self.loops = len(stages) == 1  # holds the whole model for it: samples feed its own next step
         self.next_node = "" if self.last else stages[hop + 1].node
@@ -137,7 +91,7 @@ class SimNode:
 
     __slots__ = ("id", "start", "end", "k", "curves", "head_share", "kv_tokens", "scheduler", "limits", "costs",
                  "visits", "cancelled", "batch", "busy", "waking", "version", "remaining", "busy_s", "iters", "used",
-                 "used_peak", "kv_waits", "_blocked", "_inputs", "task_types")
+                 "used_peak", "kv_waits", "_blocked", "_inputs", "task_types", "gate")
 
     def __init__(self, nid: str, start: int, end: int, curves: NodeCurves, *, last: bool, kv_tokens: int,
                  scheduler: SchedulerConfig, limits: IterationLimits, costs: StepCosts,
@@ -161,6 +115,9 @@ class SimNode:
         self.kv_waits = 0  # requests that could not start here at once (KV reservation or batch slots full)
         self._blocked: set[str] = set()
         self._inputs = 0  # input tokens arrived and not yet run, over every request here (0: nothing to schedule)
+        # live membership (simulator.membership): a new request whose layers here are outside [start, end) is
+        # refused with the code (a leaving agent refuses every one, a releasing one those on moving layers)
+        self.gate: tuple[int, int, ErrorCode] | None = None
 
     # -- what arrives -----------------------------------------------------------------------------
 
@@ -200,6 +157,12 @@ class SimNode:
         return refused
 
     def _add(self, wire_id: str, visit: Visit, pending: int, refused: list[wire.Refused]) -> Visit | None:
+        gate = self.gate
+        if gate is not None and not gate[0] <= visit.entry < visit.exit <= gate[1]:
+            self.cancelled.add(wire_id)
+            refused.append(wire.Refused(wire_id, self.id, gate[2], f"layers [{visit.entry}, {visit.exit}) are not "
+                                        f"served here any more ({gate[2].value})"))  # fmt: skip
+            return None
         try:
             self.scheduler.add(wire_id, visit.prompt, visit.max_tokens, pending_tokens=pending)
         except CapacityError as exc:
@@ -218,6 +181,27 @@ class SimNode:
         self._inputs -= seq.pending_tokens
         sched.remove(wire_id)
         self._blocked.discard(wire_id)
+
+    # -- live membership (simulator.membership) ------------------------------------------------------
+
+    def outside(self, start: int, end: int) -> list[str]:
+        """The requests here whose layers are not all within ``[start, end)``."""
+        return [rid for rid, v in self.visits.items() if not start <= v.entry < v.exit <= end]
+
+    def refuse(self, wire_ids: list[str], code: ErrorCode) -> list[wire.Refused]:
+        """Refuse (and forget) requests it runs, as an agent does at the end of a drain."""
+        for rid in wire_ids:
+            self._forget(rid)
+            self.cancelled.add(rid)
+        return [wire.Refused(rid, self.id, code, f"drained ({code.value})") for rid in wire_ids]
+
+    def move_to(self, new: SimNode) -> None:
+        """Serve ``new``'s range from now on (a re-plan switched to it), with its KV, limits and bounds; the
+        requests here keep their layers (they are priced on what they run) until they end or are refused."""
+        self.start, self.end, self.k, self.head_share = new.start, new.end, new.k, new.head_share
+        self.kv_tokens, self.limits = new.kv_tokens, new.limits
+        self.scheduler.config = new.scheduler.config
+        self.scheduler.kv.capacity_tokens = new.kv_tokens
 
     def queued(self) -> int:
         """Requests with input waiting here or in the running iteration (shortest-queue routing)."""
@@ -252,17 +236,20 @@ class SimNode:
 
     def _price(self, batch: Batch, limits: IterationLimits | None) -> float | None:
         """What ``batch`` costs in seconds; None when it passes ``limits``."""
-        by_start: dict[int, list[int]] = {}
-        task_rows: dict[int, dict[str, int]] | None = {} if self.task_types else None  # start -> task -> rows
+        by_start: dict[Group, list[int]] = {}
+        task_rows: dict[Group, dict[str, int]] | None = {} if self.task_types else None  # start -> task -> rows
         from_nodes = from_coord = sampled = decodes = context = prompts = prompt_tokens = 0
-        visits = self.visits
+        visits, end, mixed = self.visits, self.end, False
         for w in batch.work:
             v = visits[w.request_id]
-            acc = by_start.get(v.entry)
+            key: Group = v.entry
+            if v.exit != end:  # it runs a range this node served before a re-plan
+                key, mixed = (v.entry, v.exit), True
+            acc = by_start.get(key)
             if acc is None:
-                acc = by_start[v.entry] = [0, 0, 0]
+                acc = by_start[key] = [0, 0, 0]
             if task_rows is not None and v.task:
-                rows = task_rows.setdefault(v.entry, {})
+                rows = task_rows.setdefault(key, {})
                 rows[v.task] = rows.get(v.task, 0) + w.num_tokens
             if w.is_prefill:
                 acc[0] += w.num_tokens
@@ -285,7 +272,9 @@ class SimNode:
             return None
         c = self.costs
         copy = (from_nodes * c.act_bytes + from_coord * c.tok_bytes) * c.copy_s_per_byte
-        return (self.iteration_ms(by_start, sampled, task_rows) + c.overhead_ms) / 1000.0 + copy
+        ms = self._ranges_ms(by_start, sampled, task_rows) if mixed else \
+            self.iteration_ms(cast(dict[int, list[int]], by_start), sampled, cast("dict[int, dict[str, int]] | None", task_rows))
+        return (ms + c.overhead_ms) / 1000.0 + copy
 
     def complete(self, now: float, observe: Observe | None) -> tuple[dict[str, list[Hidden]], list[wire.TokenOut]]:
         """The running iteration ended: account it in the scheduler; the activations to send on (by next
@@ -329,7 +318,7 @@ class SimNode:
         self._inputs += len(looped)
         return forwards, tokens
 
-    def iteration_ms(self, by_start: dict[int, list[int]] | dict[int, tuple[int, int, int]], sampled: int,
+    def iteration_ms(self, by_start: Mapping[int, Sequence[int]], sampled: int,
                      task_rows: Mapping[int, Mapping[str, int]] | None = None) -> float:  # fmt: skip
         """What one iteration costs here (:meth:`helix.perf_model.NodeCurves.iteration_ms`):
         ``by_start`` maps the first layer requests entered at to their (prefill tokens, decoding
@@ -352,6 +341,24 @@ class SimNode:
         tasks = span_tasks(task_rows, starts, self.task_types) if task_rows else ()
         return self.curves.iteration_ms(spans, sampled=sampled, head_share=self.head_share, tasks=tasks)
 
+    def _ranges_ms(self, by_range: Mapping[Group, Sequence[int]], sampled: int,
+                   task_rows: Mapping[Group, Mapping[str, int]] | None = None) -> float:  # fmt: skip
+        """:meth:`iteration_ms` when requests run different ranges here (a key ``(start, end)``: requests
+        that run ``[start, end)`` rather than up to the node's end, a range it served before a re-plan): one
+        span between every two consecutive range bounds, running the requests whose range holds it."""
+        ranges = {(key, self.end) if isinstance(key, int) else key: key for key in by_range}
+        cuts = sorted({bound for r in ranges for bound in r})
+        spans: list[Span] = []
+        members: list[list[Group]] = []
+        for lo, hi in zip(cuts, cuts[1:], strict=False):
+            inside = [key for (s, e), key in ranges.items() if s <= lo and hi <= e]
+            if inside:
+                ptoks, dcount, ctx = (sum(by_range[key][i] for key in inside) for i in range(3))
+                spans.append((hi - lo, ptoks, dcount, ctx))
+                members.append(inside)
+        tasks = group_tasks(task_rows, members, self.task_types) if task_rows else ()
+        return self.curves.iteration_ms(spans, sampled=sampled, head_share=self.head_share, tasks=tasks)
+
     def kv_report(self) -> tuple[float, float, float]:
         """What the agent's heartbeat says, in KV entries (tokens x layers here): used, reserved, capacity."""
         return (float(self.used * self.k), float(self.scheduler.kv.reserved_tokens * self.k),
@@ -363,34 +370,38 @@ def build_nodes(cluster: ClusterSpec, profiles: ProfileSet, plan: Plan, config: 
     """One :class:`SimNode` per placed node: its profile's curves and limits, ``kv_entries`` of KV (tokens x
     layers; absent: unbounded), the scheduler as ``config`` sets it, ``task_types`` (task -> PET type)
     to price the fine-tuned tasks its requests run."""
+    return {nid: build_node(cluster, profiles, nid, s, e, config, kv_entries, task_types)
+            for nid, (s, e) in plan.placement.items()}  # fmt: skip
+
+
+def build_node(cluster: ClusterSpec, profiles: ProfileSet, nid: str, s: int, e: int, config: SimConfig,
+               kv_entries: Mapping[str, float], task_types: Mapping[str, str] | None = None) -> SimNode:  # fmt: skip
+    """The :class:`SimNode` of ``nid`` holding layers ``[s, e)`` (:func:`build_nodes`)."""
     model = profiles.models[cluster.model]
     costs = StepCosts(config.iteration_overhead_ms, host_copy_s_per_byte(config.host_copy_gb_per_s),
                       model.activation_bytes_per_token, model.token_bytes)  # fmt: skip
-    nodes: dict[str, SimNode] = {}
-    for nid, (s, e) in plan.placement.items():
-        gpu = cluster.node(nid).gpu
-        tp = profiles.throughput(gpu, cluster.model)
-        curves = tp.curves()
-        if curves is None:
-            raise ConfigError(
-                f"GPU {gpu!r} has only a tok_s table for {cluster.model}; the simulator needs its latency curves "
-                f"(prefill_ms_per_layer, decode_ms_per_layer): measure them with `helix profile --cluster "
-                f"{cluster.source}` and list the file it writes last in the cluster's profiles:",
-                source=", ".join(str(path) for path in cluster.profile_paths()),
-                field=f"gpus.{gpu}.throughput.{cluster.model}",
-            )
-        if not config.decode_floor:
-            curves = dataclasses.replace(curves, decode_floor=False)
-        k = e - s
-        pmax = tp.prompt_max_tokens_by_layers[k - 1] if tp.prompt_max_tokens_by_layers else 4096
-        dmax = tp.decode_max_tokens_by_layers[k - 1] if tp.decode_max_tokens_by_layers else 256
-        kv_tokens = max(1, int(kv_entries[nid] // k)) if nid in kv_entries else UNBOUNDED_KV_TOKENS
-        running = config.max_batch_size or kv_tokens  # a request holds at least one token
-        budget = config.token_budget or running + int(pmax)  # unset: the limits below bound an iteration
-        per_slot = config.decode_context_per_slot
-        limits = IterationLimits(int(dmax), int(pmax), prompts_per_iteration(pmax, config.prompt_slot_tokens),
-                                 None if per_slot is None else dmax * per_slot, config.prefill_chunk_tokens is not None)
-        nodes[nid] = SimNode(nid, s, e, curves, last=e == model.num_layers, kv_tokens=kv_tokens,
-                             scheduler=SchedulerConfig(running, budget, config.prefill_chunk_tokens),
-                             limits=limits, costs=costs, task_types=task_types)  # fmt: skip
-    return nodes
+    gpu = cluster.node(nid).gpu
+    tp = profiles.throughput(gpu, cluster.model)
+    curves = tp.curves()
+    if curves is None:
+        raise ConfigError(
+            f"GPU {gpu!r} has only a tok_s table for {cluster.model}; the simulator needs its latency curves "
+            f"(prefill_ms_per_layer, decode_ms_per_layer): measure them with `helix profile --cluster "
+            f"{cluster.source}` and list the file it writes last in the cluster's profiles:",
+            source=", ".join(str(path) for path in cluster.profile_paths()),
+            field=f"gpus.{gpu}.throughput.{cluster.model}",
+        )
+    if not config.decode_floor:
+        curves = dataclasses.replace(curves, decode_floor=False)
+    k = e - s
+    pmax = tp.prompt_max_tokens_by_layers[k - 1] if tp.prompt_max_tokens_by_layers else 4096
+    dmax = tp.decode_max_tokens_by_layers[k - 1] if tp.decode_max_tokens_by_layers else 256
+    kv_tokens = max(1, int(kv_entries[nid] // k)) if nid in kv_entries else UNBOUNDED_KV_TOKENS
+    running = config.max_batch_size or kv_tokens  # a request holds at least one token
+    budget = config.token_budget or running + int(pmax)  # unset: the limits below bound an iteration
+    per_slot = config.decode_context_per_slot
+    limits = IterationLimits(int(dmax), int(pmax), prompts_per_iteration(pmax, config.prompt_slot_tokens),
+                             None if per_slot is None else dmax * per_slot, config.prefill_chunk_tokens is not None)
+    return SimNode(nid, s, e, curves, last=e == model.num_layers, kv_tokens=kv_tokens,
+                   scheduler=SchedulerConfig(running, budget, config.prefill_chunk_tokens), limits=limits,
+                   costs=costs, task_types=task_types)  # fmt: skip

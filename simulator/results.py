@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -105,6 +106,7 @@ class SimResult:
     throughput_over_time: list[tuple[float, float]]
     events: int
     extra: dict[str, float] = field(default_factory=dict)
+    membership: dict[str, Any] | None = None  # a membership trace's replay (simulator.membership.MembershipReplay.report)
 
     def to_json(self) -> dict:
         return {
@@ -128,6 +130,7 @@ class SimResult:
             "throughput_over_time": self.throughput_over_time,
             "events": self.events,
             **self.extra,
+            **({"membership": self.membership} if self.membership is not None else {}),
         }
 
 

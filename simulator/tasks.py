@@ -78,3 +78,19 @@ def span_tasks(rows_by_start: Mapping[int, Mapping[str, int]], starts: Sequence[
             rows[task] = rows.get(task, 0) + n
         out.append([(pet_of[task], 1.0, float(n)) for task, n in rows.items()])
     return out
+
+
+def group_tasks(rows_by_group: Mapping[int | tuple[int, int], Mapping[str, int]],
+                members: Sequence[Sequence[int | tuple[int, int]]],
+                pet_of: Mapping[str, str]) -> list[list[TaskGroup]]:  # fmt: skip
+    """Per span of an iteration whose requests run different ranges (``members``: the groups of
+    requests a span runs), its tasks as (PET type, 1, rows) each; ``rows_by_group``: the rows of each
+    task among a group's requests."""
+    out: list[list[TaskGroup]] = []
+    for groups in members:
+        rows: dict[str, int] = {}
+        for group in groups:
+            for task, n in rows_by_group.get(group, {}).items():
+                rows[task] = rows.get(task, 0) + n
+        out.append([(pet_of[task], 1.0, float(n)) for task, n in rows.items()])
+    return out
