@@ -6,7 +6,8 @@
 A cluster with replicated layers, served for real: the demo cluster's three CPU nodes with cpu-1 and
 cpu-2 both holding layers [0, 28) and cpu-0 the last two (and the LM head), so every pipeline is
 cpu-1 -> cpu-0 or cpu-2 -> cpu-0. cpu-1's and cpu-2's agents are pinned to one core each (two
-machines' worth of replicas on this 2-core box); cpu-0 and the coordinator take what is left.
+machines' worth of replicas on a 2-core box), cpu-0's to a third where there are 4 cores or more;
+the coordinator and the clients take what is left.
 ``--tasks`` random LoRA tasks (rank 8 on q/k/v/o) are loaded with ``helix serve --task-placement
 spread``: each on one of cpu-1 / cpu-2 (alternately) and on cpu-0. ``--clients`` closed-loop clients
 ask for ``--max-tokens`` tokens of a task drawn from a Zipf popularity (exponent ``--zipf``) whose
@@ -48,7 +49,7 @@ from harness import RoundLog, Target, add_rounds_option, interleaved, make_conso
 
 DEMO = ROOT / "clusters" / "demo" / "cluster.yaml"
 LAYOUT = {"cpu-0": (28, 30), "cpu-1": (0, 28), "cpu-2": (0, 28)}
-PINNED = {"cpu-1": [0], "cpu-2": [1]}  # one core per replica
+PINNED = {"cpu-1": [0], "cpu-2": [1], "cpu-0": [2]}  # a core per agent (cpu-0's only on a machine of 4 cores or more)
 PROMPTS = [f"Write a short note about {topic}." for topic in ("the sea", "bread", "trains", "the moon", "music", "rain")]
 TARGET = 1.2
 ARMS = ("static", "migration")
@@ -109,9 +110,10 @@ class Serving:
         self.agents = AgentProcesses(cluster_path, plan_path, workdir, secret=secret)
         self.agents.start(LAYOUT)
         addresses = self.agents.wait_ready(timeout_s=240)
-        for node, cores in PINNED.items():
-            if all(c < (os.cpu_count() or 1) for c in cores):
-                psutil.Process(self.agents.agents[node].pid).cpu_affinity(cores)
+        cores = os.cpu_count() or 1
+        for node, pinned in PINNED.items():
+            if max(pinned) < cores and (cores >= 4 or node != "cpu-0"):
+                psutil.Process(self.agents.agents[node].pid).cpu_affinity(pinned)
         port = free_port()
         cmd = [sys.executable, "-m", "helix.cli", "serve", "--cluster", str(cluster_path), "--plan", str(plan_path),
                "--port", str(port), "--queue-bound", "4096", "--no-replan", "--task-placement", "spread", *flags,
