@@ -191,7 +191,9 @@ class MembershipReplay:
             assert ev.join is not None
             self.up.add(node)
             self.held[node] = ()
-            self._run(self.membership.join(ev.join, now))
+            # as POST /v1/cluster/join takes it (router.membership_driver): no region is the coordinator's
+            spec = ev.join if ev.join.region else ev.join.model_copy(update={"region": self.base.coordinator.region})
+            self._run(self.membership.join(spec, now))
 
     def _handshake(self, node: str) -> None:
         spec = self._spec(node)

@@ -11,8 +11,8 @@ events:
   - {at_s: 300, join: {id: l4-9, gpu: L4, region: us-east}}  # joins, holding no layers (helix agent --join)
 ```
 
-A join names what ``POST /v1/cluster/join`` takes (a node of the cluster file's form: id, GPU type, region,
-address); a killed or departed node may join again under its id. :func:`load_membership_trace` checks the
+A join names what ``POST /v1/cluster/join`` takes (a node of the cluster file's form: id, GPU type, region
+(default: the coordinator's), address); a killed or departed node may join again under its id. :func:`load_membership_trace` checks the
 file (pydantic, ``extra="forbid"``) and the events against the cluster, the plan and the profiles: every
 problem is a :class:`~helix.errors.ConfigError` naming the file and the field (``events[2].kill``).
 """
