@@ -10,16 +10,19 @@ machines' worth of replicas on a 2-core box), cpu-0's to a third where there are
 the coordinator and the clients take what is left.
 ``--tasks`` random LoRA tasks (rank 8 on q/k/v/o) are loaded with ``helix serve --task-placement
 spread``: each on one of cpu-1 / cpu-2 (alternately) and on cpu-0. ``--clients`` closed-loop clients
-ask for ``--max-tokens`` tokens of a task drawn from a Zipf popularity (exponent ``--zipf``) whose
-ranking is reshuffled every ``--shift-s`` seconds (the same schedule in both arms).
+send ``--prompt-tokens``-token prompts for ``--max-tokens`` tokens of a task drawn from a Zipf
+popularity (exponent ``--zipf``) whose ranking is reshuffled every ``--shift-s`` seconds (the same
+schedule in both arms). The requests are prefill-heavy, as PetS's queries (BERT-style: one forward
+pass each): a node's work grows with the requests it takes, while on this CPU a decode step of a
+larger batch costs hardly more, which would hide an imbalance.
 
 * **static**: the spread assignment stays as loaded;
 * **migration**: ``--pet-balance`` (PetS Algorithm 3; the interval adapts between 2 s and 20 s):
   the coordinator moves tasks between cpu-1 and cpu-2 as their load drifts.
 
 Each arm starts a fresh cluster, loads the tasks, warms up for ``--warmup-s``, then counts the
-coordinator's generated tokens (``helix_generated_tokens_total``) over ``--duration-s``. Target (the
-issue's): migration's throughput >= 1.2x static's; no request fails in either arm.
+requests answered over ``--duration-s`` (and the coordinator's generated tokens). Target (the
+issue's): migration's throughput (requests/s) >= 1.2x static's; no request fails in either arm.
 """
 
 from __future__ import annotations
@@ -50,7 +53,6 @@ from harness import RoundLog, Target, add_rounds_option, interleaved, make_conso
 DEMO = ROOT / "clusters" / "demo" / "cluster.yaml"
 LAYOUT = {"cpu-0": (28, 30), "cpu-1": (0, 28), "cpu-2": (0, 28)}
 PINNED = {"cpu-1": [0], "cpu-2": [1], "cpu-0": [2]}  # a core per agent (cpu-0's only on a machine of 4 cores or more)
-PROMPTS = [f"Write a short note about {topic}." for topic in ("the sea", "bread", "trains", "the moon", "music", "rain")]
 TARGET = 1.2
 ARMS = ("static", "migration")
 out = make_console()
@@ -159,10 +161,11 @@ def popularity(names: list[str], zipf: float, shift_s: float, seed: int, t: floa
 
 def run_arm(args: argparse.Namespace, arm: str, workdir: Path, tasks: list[tuple[str, Path]], seed: int) -> dict[str, Any]:
     cluster_path, plan_path = write_cluster(workdir)
-    flags = ["--pet-balance", "--pet-balance-interval-s", "2", "20"] if arm == "migration" else []
+    flags = ["--pet-balance", "--pet-balance-interval-s", "2", "20", "--pet-balance-min-requests",
+             str(args.min_requests)] if arm == "migration" else []  # fmt: skip
     serving = Serving(cluster_path, plan_path, workdir, flags)
     errors: list[str] = []
-    answered = [0]
+    answered: list[float] = []  # when each request was answered
     try:
         with httpx.Client(base_url=serving.url, timeout=600) as http:
             for name, path in tasks:
@@ -178,12 +181,12 @@ def run_arm(args: argparse.Namespace, arm: str, workdir: Path, tasks: list[tuple
             with httpx.Client(base_url=serving.url, timeout=600) as http:
                 while not stop.is_set():
                     name = rng.choices(names, popularity(names, args.zipf, args.shift_s, seed, time.monotonic() - t0))[0]
-                    body = {"model": name, "prompt": rng.choice(PROMPTS), "max_tokens": args.max_tokens,
-                            "temperature": 0}
+                    prompt = [rng.randrange(100, 49_000) for _ in range(args.prompt_tokens)]
+                    body = {"model": name, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0}
                     try:
                         response = http.post("/v1/completions", json=body)
                         response.raise_for_status()
-                        answered[0] += 1
+                        answered.append(time.monotonic())
                     except httpx.HTTPError as exc:
                         errors.append(f"{name}: {exc!r}")
 
@@ -193,14 +196,16 @@ def run_arm(args: argparse.Namespace, arm: str, workdir: Path, tasks: list[tuple
         time.sleep(args.warmup_s)
         start_tokens, start = serving.tokens(), time.monotonic()
         time.sleep(args.duration_s)
-        tok_s = (serving.tokens() - start_tokens) / (time.monotonic() - start)
+        end = time.monotonic()
+        tok_s = (serving.tokens() - start_tokens) / (end - start)
+        req_s = sum(start <= t < end for t in answered) / (end - start)
         balance = serving.health().get("pet_balance")
         stop.set()
         for thread in threads:
             thread.join(timeout=600)
     finally:
         serving.close()
-    return {"tok_s": tok_s, "errors": errors, "answered": answered[0], "balance": balance}
+    return {"req_s": req_s, "tok_s": tok_s, "errors": errors, "answered": len(answered), "balance": balance}
 
 
 def bench_migration(args: argparse.Namespace) -> None:
@@ -211,13 +216,13 @@ def bench_migration(args: argparse.Namespace) -> None:
         for r, arm in interleaved(ARMS, args.rounds):
             out.print(f"[dim]migration: round {r + 1}, {arm} ({args.warmup_s + args.duration_s:.0f} s)...[/]")
             result = run_arm(args, arm, workdir / f"{arm}-{r}", tasks, seed=r + 1)
-            out.print(f"  {arm}: {result['tok_s']:.1f} tok/s, {result['answered']} answered, "
+            out.print(f"  {arm}: {result['req_s']:.2f} requests/s, {result['tok_s']:.1f} tok/s, {result['answered']} answered, "
                       f"{len(result['errors'])} failed" + (f", balance {result['balance']}" if result["balance"] else ""))
             for error in result["errors"][:3]:
                 out.print(f"[red]  failed: {error}[/]")
-            log.record(r, f"{arm} tok/s", result["tok_s"], "tok/s")
+            log.record(r, f"{arm} requests/s", result["req_s"], "/s")
             log.record(r, f"{arm} failed requests", len(result["errors"]), "")
-        log.ratio("migration ÷ static throughput", "migration tok/s", "static tok/s")
+        log.ratio("migration ÷ static throughput", "migration requests/s", "static requests/s")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     report(out, log, f"PET migration vs static, {args.tasks} tasks, Zipf {args.zipf} reshuffled every "
@@ -235,7 +240,10 @@ def add_migration_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of the tasks' popularity (default 1.1)")
     ap.add_argument("--clients", type=int, default=12, help="closed-loop clients (default 12)")
     ap.add_argument("--tasks", type=int, default=16, help="LoRA tasks (default 16)")
-    ap.add_argument("--max-tokens", type=int, default=16, help="tokens per answer (default 16)")
+    ap.add_argument("--prompt-tokens", type=int, default=128, help="tokens per prompt, random ids (default 128)")
+    ap.add_argument("--min-requests", type=int, default=24,
+                    help="helix serve --pet-balance-min-requests in the migration arm (default 24)")
+    ap.add_argument("--max-tokens", type=int, default=4, help="tokens per answer (default 4)")
 
 
 def main() -> int:

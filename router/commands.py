@@ -63,6 +63,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="rebalance while the least loaded replica's load is below this fraction of the most loaded's")
     p.add_argument("--pet-balance-interval-s", type=float, nargs=2, default=[1.0, 60.0], metavar=("MIN", "MAX"),
                    help="bounds of the adaptive interval between balancing rounds")
+    p.add_argument("--pet-balance-min-requests", type=int, default=32,
+                   help="judge the balance only once this many requests were counted since the last round")
     p.add_argument("--pet-node-bytes", action="append", default=[], metavar="NODE=BYTES",
                    help="the most PET bytes NODE may hold after a migration (repeatable; default: no limit)")
 
@@ -137,7 +139,8 @@ def _balance_policy(args: argparse.Namespace) -> Any:
     low, high = args.pet_balance_interval_s
     try:
         return BalancePolicy(theta=args.pet_balance_theta, interval_s=min(max(10.0, low), high), min_interval_s=low,
-                             max_interval_s=high, node_task_bytes=limits)  # fmt: skip
+                             max_interval_s=high, min_requests=args.pet_balance_min_requests,
+                             node_task_bytes=limits)  # fmt: skip
     except ValueError as exc:
         raise ConfigError(str(exc), field="--pet-balance") from None
 

@@ -45,7 +45,7 @@ class BalancePolicy:
     max_interval_s: float = 60.0
     step_s: float = 2.0  # the interval grows by this after a balanced round
     max_moves: int = 8  # PET moves per round at most
-    min_requests: int = 8  # a window with fewer requests counted is not judged (phi = 1)
+    min_requests: int = 32  # a window with fewer requests counted is not judged (phi = 1; the caller keeps counting)
     node_task_bytes: Mapping[str, int] = field(default_factory=dict)  # node -> most PET bytes it holds; absent: no limit
 
     def __post_init__(self) -> None:
@@ -87,6 +87,7 @@ class Round:
     phi: float
     moves: list[Move]
     interval_s: float
+    judged: bool = True  # False: too few requests were counted; the next round's window should include this one's
 
 
 def imbalance(loads: Iterable[float]) -> float:
@@ -197,4 +198,4 @@ class PetBalancer:
         phi = min(phis.values(), default=1.0)
         self.interval_s = next_interval(self.interval_s, phi, policy)
         self.next_s = now + self.interval_s
-        return Round(phi, moves, self.interval_s)
+        return Round(phi, moves, self.interval_s, judged)

@@ -101,8 +101,13 @@ class PetMigrator:
         if (self._moving is not None and not self._moving.done()) or not self.balancer.due(now):
             return
         with self._lock:
-            counts, self._counts = self._counts, {}
+            counts = dict(self._counts)
         self.last = self.balancer.step(now, self.view(counts))
+        if self.last.judged:  # else the window goes on: too few requests to judge the balance by
+            with self._lock:
+                for key, n in counts.items():
+                    self._counts[key] -= n
+                self._counts = {k: n for k, n in self._counts.items() if n > 0}
         if self.last.moves:
             log.info("PET balance: phi %.2f, moving %s", self.last.phi,
                      ", ".join(f"{m.task} {m.src}->{m.dst}" for m in self.last.moves))  # fmt: skip

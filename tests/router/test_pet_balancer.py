@@ -65,7 +65,8 @@ def test_loads_are_per_unit_of_capacity() -> None:
 
 
 def test_phi_and_the_adaptive_interval() -> None:
-    policy = BalancePolicy(theta=0.9, interval_s=8.0, min_interval_s=1.0, max_interval_s=10.0, step_s=1.5)
+    policy = BalancePolicy(theta=0.9, interval_s=8.0, min_interval_s=1.0, max_interval_s=10.0, step_s=1.5,
+                           min_requests=8)
     assert imbalance([10.0, 90.0]) == pytest.approx(1 / 9) and imbalance([0.0, 0.0]) == 1.0
     assert next_interval(8.0, 0.5, policy) == 4.0 and next_interval(1.5, 0.5, policy) == 1.0
     assert next_interval(8.0, 0.95, policy) == 9.5 and next_interval(9.5, 0.95, policy) == 10.0
@@ -78,7 +79,7 @@ def test_phi_and_the_adaptive_interval() -> None:
     even = balancer.step(12.0, view({"a": 20, "d": 19}))
     assert even.phi == pytest.approx(19 / 20) and even.moves == [] and even.interval_s == 5.5
     quiet = balancer.step(17.5, view({"a": 5, "d": 0}))  # below min_requests: not judged
-    assert quiet.phi == 1.0 and quiet.moves == [] and quiet.interval_s == 7.0
+    assert quiet.phi == 1.0 and quiet.moves == [] and quiet.interval_s == 7.0 and not quiet.judged
     with pytest.raises(ValueError, match="theta"):
         BalancePolicy(theta=0.0)
 
