@@ -12,6 +12,11 @@ the agent warns that its links are neither encrypted nor authenticated. Once ser
 SIGTERM makes it leave: it drains for up to ``--drain-timeout-s`` (:mod:`node_agent.membership`),
 then exits 0; a second SIGTERM, or SIGINT, stops it at once.
 
+``--batching alpha|beta|coordinated`` chooses which requests join each step by their fine-tuned tasks
+(:mod:`node_agent.batching`; default ``fcfs``), priced by the node's GPU profile (its shared-op curves
+and ``pet_ms_per_layer``, from ``helix profile``); ``--max-passed-over-steps`` bounds how many steps
+a request can be passed over.
+
 ``--join URL`` (with ``--gpu``) starts a node joining a running cluster: no ``--plan``, the node
 need not be in the cluster file, no layers yet (``--no-layers``); once up it asks the coordinator
 at URL to take it in (:mod:`node_agent.join`), which dials it and gives it layers with SET_LAYERS.
@@ -29,11 +34,12 @@ from typing import TYPE_CHECKING, Any
 
 from helix.addresses import LOOPBACK_HOSTS, any_port, host_of
 from helix.errors import ConfigError, EngineError
+from node_agent.batching import DEFAULT_MAX_PASSED_OVER_STEPS, FCFS, BatchingMode, BatchingPolicy
 
 if TYPE_CHECKING:
     from helix.keys import KeyPair, PeerPolicy
     from helix.plan import Plan
-    from helix.spec import ClusterSpec
+    from helix.spec import ClusterSpec, NodeSpec
     from node_agent.backends import StageBackend
 
 log = logging.getLogger(__name__)
@@ -56,6 +62,12 @@ def add_agent_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-budget", type=int, default=512,
                    help="most tokens (decodes + prefill chunk) in one engine step; at least --max-batch-size")
     p.add_argument("--chunk-size", type=int, default=256, help="prefill chunk (0 = no chunking)")
+    p.add_argument("--batching", choices=[m.value for m in BatchingMode], default=BatchingMode.FCFS.value,
+                   help="which requests join a step when they run fine-tuned tasks: fcfs (arrival order), "
+                        "coordinated (PetS: tasks grouped, priced by the profile's shared-op curves and "
+                        "pet_ms_per_layer), or PetS's baselines alpha and beta (docs/pets.md)")
+    p.add_argument("--max-passed-over-steps", type=int, default=DEFAULT_MAX_PASSED_OVER_STEPS,
+                   help="with --batching other than fcfs: the most steps a request that could run is passed over")
     p.add_argument("--wire-dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="dtype of activations sent to the next stage (bfloat16 halves the bytes)")
     p.add_argument("--max-frame-bytes", type=int, default=64 << 20, help="largest wire frame accepted")
@@ -153,15 +165,41 @@ def run_agent(args: argparse.Namespace) -> int:
 
         join = JoinRequest(args.join, args.node, args.gpu, region=args.region or node.region,
                            api_key=os.environ.get(args.api_key_env, ""))  # fmt: skip
+    batching = batching_policy(cluster, node, args.batching, args.max_passed_over_steps, end - start)
     return serve_agent(node_id=args.node, layer_start=start, layer_end=end, model_dir=model_dir,
                        control_bind=control, data_bind=data, secret=secret.encode(),
                        kv_capacity_tokens=args.kv_capacity_tokens, max_batch_size=args.max_batch_size,
-                       token_budget=args.token_budget, chunk_size=args.chunk_size or None,
+                       token_budget=args.token_budget, chunk_size=args.chunk_size or None, batching=batching,
                        wire_dtype=args.wire_dtype, threads=args.threads, max_frame_bytes=args.max_frame_bytes,
                        step_log=args.step_log.replace("{node}", args.node) if args.step_log else None,
                        gather_window_ms=args.gather_window_ms, backend=backend, drain_timeout_s=args.drain_timeout_s,
                        max_weight_bytes=args.max_weight_bytes, on_ready=join.start if join else None,
                        **security)  # fmt: skip
+
+
+def batching_policy(cluster: ClusterSpec, node: NodeSpec, mode: str, max_passed_over_steps: int,
+                    layers: int) -> BatchingPolicy:  # fmt: skip
+    """The batching policy ``--batching`` names, its cost models from the node's GPU profile over ``layers``
+    (none yet: as many as the node may hold); ConfigError naming the profile when a mode other than fcfs
+    lacks the curves it prices with."""
+    from helix.profile import load_profiles_for, node_max_layers
+    from node_agent.batching import StepCostModel
+
+    if max_passed_over_steps < 1:
+        raise ConfigError(f"must be 1 or more, got {max_passed_over_steps}", field="--max-passed-over-steps")
+    if mode == BatchingMode.FCFS:
+        return FCFS
+    profiles = load_profiles_for(cluster)
+    tp = profiles.throughput(node.gpu, cluster.model)
+    curves = tp.curves()
+    where = ", ".join(str(p) for p in cluster.profile_paths())
+    if curves is None or not curves.pet:
+        lacks = "prefill_ms_per_layer and decode_ms_per_layer" if curves is None else "pet_ms_per_layer"
+        raise ConfigError(f"--batching {mode} prices steps with GPU type {node.gpu!r}'s measured curves, but its "
+                          f"profile for {cluster.model!r} has no {lacks} (measure it: helix profile --cluster ...)",
+                          source=where, field="--batching")  # fmt: skip
+    return BatchingPolicy(BatchingMode(mode), max_passed_over_steps,
+                          StepCostModel(curves, layers or node_max_layers(node, tp)))
 
 
 def agent_security(cluster: ClusterSpec, plan: Plan | None, node: str, key_file: str | None,
@@ -230,9 +268,10 @@ def check_weights(cluster: ClusterSpec, model_dir: str, *, node: str, layers: tu
 
 def serve_agent(*, node_id: str, layer_start: int, layer_end: int, model_dir: str | None, control_bind: str,
                 data_bind: str, secret: bytes, kv_capacity_tokens: int = 65536, max_batch_size: int = 32,
-                token_budget: int = 512, chunk_size: int | None = 256, wire_dtype: str = "float32",
-                threads: int = 1, max_frame_bytes: int = 64 << 20, step_log: str | None = None,
-                gather_window_ms: float | None = None, backend: StageBackend | None = None,
+                token_budget: int = 512, chunk_size: int | None = 256, batching: BatchingPolicy = FCFS,
+                wire_dtype: str = "float32", threads: int = 1, max_frame_bytes: int = 64 << 20,
+                step_log: str | None = None, gather_window_ms: float | None = None,
+                backend: StageBackend | None = None,
                 peers: PeerPolicy | None = None, key_pair: KeyPair | None = None,
                 predecessors: frozenset[str] = frozenset(), drain_timeout_s: float = 30.0,
                 max_weight_bytes: int | None = None, on_ready: Callable[[str], object] | None = None) -> int:
@@ -249,7 +288,7 @@ def serve_agent(*, node_id: str, layer_start: int, layer_end: int, model_dir: st
     model_dir = model_dir or str(cached_model_dir())
     engine = StageEngine(model_dir, layer_start, layer_end, kv_capacity_tokens=kv_capacity_tokens,
                          scheduler=SchedulerConfig(max_batch_size=max_batch_size, token_budget=token_budget,
-                                                   chunk_size=chunk_size),
+                                                   chunk_size=chunk_size, batching=batching),
                          backend=backend)  # fmt: skip
     gather = {} if gather_window_ms is None else {"gather_window_s": gather_window_ms / 1000}
     config = AgentConfig(node_id=node_id, control_bind=control_bind, data_bind=data_bind, secret=secret,

@@ -173,7 +173,8 @@ class StageEngine:
         ends_model = end == self.config.num_layers
         sampler = RequestSampler(sampling, self.config.vocab_size, self.grammars) if ends_model else None
         self.scheduler.add(request_id, prompt_len, sampling.max_tokens,
-                           pending_tokens=prompt_len if start == 0 else 0)
+                           pending_tokens=prompt_len if start == 0 else 0, task=task,
+                           pet_type=None if bound is None else str(bound.pet_type))  # fmt: skip
         self._requests[request_id] = _Request(request_id, start, end, sampling,
                                               sampler,
                                               list(prompt_token_ids or []), task=bound)

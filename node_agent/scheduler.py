@@ -27,6 +27,11 @@ Each step (``schedule()`` -> run -> ``update(batch, finished)``):
 
 A request is schedulable only when it has *pending input*: prompt tokens on the stage that embeds,
 hidden states pushed from the previous stage, or the token sampled in the previous step.
+
+**Many tasks** (``SchedulerConfig.batching``, :mod:`node_agent.batching`): the default, ``fcfs``, is all
+of the above. The other modes (PetS's coordinated batching and its α-only and β-only baselines) choose
+the admission order by the requests' tasks and the node's cost models, β-only also which ready
+requests a step runs, and every one of them bounds how many steps a request can be passed over.
 """
 
 from __future__ import annotations
@@ -34,9 +39,11 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import islice
 from operator import attrgetter
 
 from helix.errors import EngineError
+from node_agent.batching import FCFS, BatchingMode, BatchingPolicy, admission_order, beta_only_ready
 from node_agent.kv_account import KVAccount, KVUsage
 
 
@@ -46,6 +53,7 @@ class SchedulerConfig:
     token_budget: int = 512
     chunk_size: int | None = 256
     request_level: bool = False
+    batching: BatchingPolicy = FCFS
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -66,6 +74,9 @@ class SequenceState:
     computed_tokens: int = 0  # tokens whose KV this stage holds
     pending_tokens: int = 0  # inputs arrived but not yet run
     order: int = 0  # when it was admitted, among this stage's admissions (running requests are served in it)
+    task: str | None = None  # the fine-tuned task it runs (None: the base model) ...
+    pet_type: str | None = None  # ... and its PET type (what the batching policy prices)
+    passed_over: int = 0  # steps in a row it could have joined and did not (node_agent.batching)
 
     @property
     def in_prefill(self) -> bool:
@@ -90,6 +101,7 @@ class Batch:
 
     work: list[ScheduledWork] = field(default_factory=list)
     admitted: list[str] = field(default_factory=list)
+    passed_over: list[str] = field(default_factory=list)  # could have joined, did not (not under fcfs)
 
     @property
     def num_tokens(self) -> int:
@@ -106,6 +118,11 @@ class Batch:
 _ADMISSION = attrgetter("order")
 
 
+def _rows(seq: SequenceState) -> int:
+    """The rows a ready request would run in a step (before the step's token limits)."""
+    return min(seq.pending_tokens, seq.prompt_tokens - seq.computed_tokens) if seq.in_prefill else 1
+
+
 class Scheduler:
     """FCFS admission with KV reservation; decodes plus ``chunk_size`` prefill tokens, or plus whole prompts."""
 
@@ -119,13 +136,16 @@ class Scheduler:
         self._ready: dict[str, SequenceState] = {}
         self._admissions = 0
 
-    def add(self, request_id: str, prompt_tokens: int, max_tokens: int, pending_tokens: int = 0) -> None:
-        """Queue a request; raises ``CapacityError`` if its reservation could never fit."""
+    def add(self, request_id: str, prompt_tokens: int, max_tokens: int, pending_tokens: int = 0, *,
+            task: str | None = None, pet_type: str | None = None) -> None:  # fmt: skip
+        """Queue a request (running ``task`` of ``pet_type``; None: the base model); raises
+        ``CapacityError`` if its reservation could never fit."""
         if request_id in self._all:
             raise EngineError(f"request {request_id!r} already exists on this stage")
         reserve = prompt_tokens + max_tokens
         self.kv.check_fits_ever(request_id, reserve)
-        seq = SequenceState(request_id, prompt_tokens, reserve, pending_tokens=pending_tokens)
+        seq = SequenceState(request_id, prompt_tokens, reserve, pending_tokens=pending_tokens, task=task,
+                            pet_type=pet_type)  # fmt: skip
         self.waiting.append(seq)
         self._all[request_id] = seq
 
@@ -160,25 +180,45 @@ class Scheduler:
         if self.config.request_level and self.running:
             return []
         admitted = []
-        while self.waiting and len(self.running) < self.config.max_batch_size:
-            head = self.waiting[0]
-            if not self.kv.can_reserve(head.reserve_tokens):
-                break  # strict FCFS: no overtaking, so no starvation
-            self.waiting.popleft()
-            self.kv.reserve(head.request_id, head.reserve_tokens)
-            self.running[head.request_id] = head
-            head.order = self._admissions
-            self._admissions += 1
-            if head.pending_tokens:
-                self._ready[head.request_id] = head
-            admitted.append(head.request_id)
+        policy = self.config.batching
+        if policy.fcfs:
+            while self.waiting and len(self.running) < self.config.max_batch_size:
+                head = self.waiting[0]
+                if not self.kv.can_reserve(head.reserve_tokens):
+                    break  # strict FCFS: no overtaking, so no starvation
+                self.waiting.popleft()
+                admitted.append(self._start(head))
+            return admitted
+        slots = self.config.max_batch_size - len(self.running)
+        for seq in admission_order(policy, self.waiting, self.running.values(), slots):
+            if not self.kv.can_reserve(seq.reserve_tokens):
+                break  # no overtaking in the policy's order (forced requests first), so the bound holds
+            self.waiting.remove(seq)
+            admitted.append(self._start(seq))
         return admitted
+
+    def _start(self, seq: SequenceState) -> str:
+        self.kv.reserve(seq.request_id, seq.reserve_tokens)
+        self.running[seq.request_id] = seq
+        seq.order = self._admissions
+        self._admissions += 1
+        if seq.pending_tokens:
+            self._ready[seq.request_id] = seq
+        return seq.request_id
 
     def schedule(self) -> Batch:
         """Pick this step's work. Pure: nothing changes until :meth:`update`."""
+        policy = self.config.batching
+        # under a policy: the waiting requests FCFS would admit now (passed over unless admitted)
+        slots = max(0, self.config.max_batch_size - len(self.running))
+        turn = [] if policy.fcfs else [s.request_id for s in islice(self.waiting, slots)]
         batch = Batch(admitted=self._admit())
         budget = self.config.token_budget
         ready = sorted(self._ready.values(), key=_ADMISSION) if len(self._ready) > 1 else list(self._ready.values())
+        if policy.mode is BatchingMode.BETA:
+            ready = beta_only_ready(policy, ready, _rows)
+        if not policy.fcfs:
+            ready.sort(key=lambda seq: not policy.forced(seq))  # forced first (their prefill chunks too)
         for seq in ready:
             if budget and not seq.in_prefill:
                 batch.work.append(ScheduledWork(seq.request_id, 1, seq.computed_tokens, False, True))
@@ -201,13 +241,21 @@ class Scheduler:
             batch.work.append(ScheduledWork(seq.request_id, todo, seq.computed_tokens, True,
                                             seq.computed_tokens + todo == seq.prompt_tokens))
             budget = max(0, budget - todo)
+        if not policy.fcfs:
+            ran = {w.request_id for w in batch.work}
+            batch.passed_over = [r for r in self._ready if r not in ran]
+            batch.passed_over += [r for r in turn if r not in self.running]
         return batch
 
     def update(self, batch: Batch, finished: Iterable[str] = ()) -> None:
         """Account the work a step ran, then drop the requests that finished in it."""
+        for request_id in batch.passed_over:
+            if (passed := self._all.get(request_id)) is not None:
+                passed.passed_over += 1
         for work in batch.work:
             seq = self._all.get(work.request_id)
             if seq is not None:
+                seq.passed_over = 0
                 seq.computed_tokens += work.num_tokens
                 seq.pending_tokens -= work.num_tokens
                 if not seq.pending_tokens:
