@@ -156,7 +156,7 @@ def serve(wan: Wan, agents: AgentProcesses, cluster: ClusterSpec, profiles: Any,
 
     coordinator = build_coordinator(cluster, plan, profiles, ServeOptions())
     if arm == "random":
-        coordinator.router = make_router("random", coordinator.router, seed=seed)[0]
+        coordinator.core.set_router(make_router("random", coordinator.router, seed=seed)[0])
     # heartbeats cross the slow links behind activations: the default 1.8 s declared cpu-1 dead mid-run
     app = create_server_app(coordinator, agents.addresses(), secret=secret.encode(), dead_after_s=DEAD_AFTER_S,
                             reply_host=wan.address(REGION["coordinator"]))  # fmt: skip

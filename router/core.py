@@ -81,6 +81,10 @@ class CoordinatorCore:
         self.coordinator_id = router.topology.coordinator
         self.agents = AgentHoldings()  # connected agents: data addresses, layers held, KV capacity
         self.unavailable = ""  # why the cluster cannot serve the model (live membership's verdict), for 503s
+        # live re-planning is on: with no route left, requests wait for the re-plan (within the admission
+        # timeout) instead of failing, until the membership says the model cannot be served (set_unavailable)
+        self.wait_for_replan = False
+        self.now = 0.0  # the clock of the last event or schedule
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: deque[Request] = deque()
         self._by_wire: dict[str, Request] = {}  # running attempts
@@ -102,12 +106,12 @@ class CoordinatorCore:
         if params.max_tokens < 1:
             raise RequestError(f"request {request.request_id!r}: max_tokens must be >= 1, got {params.max_tokens}",
                                param="max_tokens")  # fmt: skip
-        if not self.ready and not pinned:
+        if not self.ready and not pinned and not self._waits_for_replan():
             self.observer.rejected("no_route")
             raise NoRouteError(f"no complete pipeline is available ({self._why_down()})")
         if request.request_id in self.requests:
             raise RequestError(f"request {request.request_id!r} is already in flight", param="request_id")
-        if not pinned and (task_down := self.router.task_unroutable(params.task)):
+        if not pinned and self.ready and (task_down := self.router.task_unroutable(params.task)):
             self.observer.rejected("no_route")
             raise NoRouteError(task_down)
         if params.task and self.tasks is not None:
@@ -124,7 +128,7 @@ class CoordinatorCore:
         reject: HelixError | None = None
         if pinned:
             reject = NoRouteError(f"the pinned pipeline {request.pinned.describe()} is not connected")  # type: ignore[union-attr]
-        elif not self.router.can_ever_fit(request.prompt_tokens + params.max_tokens):
+        elif self.ready and not self.router.can_ever_fit(request.prompt_tokens + params.max_tokens):
             self.observer.rejected("too_large")
             reject = CapacityError(f"a request of {request.prompt_tokens} prompt + {params.max_tokens} output tokens "
                                    "does not fit in the KV cache of any pipeline; shorten the prompt or lower max_tokens")
@@ -135,9 +139,16 @@ class CoordinatorCore:
         if reject is not None:
             self._end(request, RequestStatus.FINISHED_ERROR)
             raise reject
-        request.deadline_s = now + self.admission_timeout_s
+        self._wait(request, now)
+
+    def _wait(self, request: Request, now: float, *, first: bool = False) -> None:
+        """Queue ``request`` until a route frees up, for at most the admission timeout."""
+        request.status, request.deadline_s = RequestStatus.WAITING, now + self.admission_timeout_s
         self._next_expiry = min(self._next_expiry, request.deadline_s)
-        self.waiting.append(request)
+        if first:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
 
     def abort_request(self, request_id: str) -> None:
         """The client went away: free everything the request holds (no output follows). Idempotent."""
@@ -149,6 +160,7 @@ class CoordinatorCore:
 
     def update_from_output(self, events: Iterable[AgentEvent], now: float) -> None:
         """Apply what the cluster reported."""
+        self.now = now
         for event in events:
             if isinstance(event, wire.Tokens):
                 for out in event.tokens:
@@ -182,6 +194,7 @@ class CoordinatorCore:
     def schedule(self, now: float) -> CoreOutput:
         """Expire requests that waited too long, start waiting ones while routes are free, and hand over
         the messages to send and the outputs produced since the last call."""
+        self.now = now
         if now >= self._next_expiry:
             self._expire(now)
         self._start_waiting()
@@ -193,6 +206,20 @@ class CoordinatorCore:
     @property
     def running(self) -> int:
         return len(self._by_wire)
+
+    def set_unavailable(self, reason: str) -> None:
+        """Live membership's verdict: why the model cannot be served ("" once it can). With a reason and no
+        route, the requests waiting for a re-plan fail with it."""
+        self.unavailable = reason
+        if reason and not self.ready:
+            self._fail_waiting()
+
+    def _waits_for_replan(self) -> bool:
+        return self.wait_for_replan and not self.unavailable
+
+    def _fail_waiting(self) -> None:
+        while self.waiting:
+            self._fail(self.waiting.popleft(), NoRouteError(f"no complete pipeline is left ({self._why_down()})"))
 
     def _why_down(self) -> str:
         why = self.router.describe_down()
@@ -300,10 +327,12 @@ class CoordinatorCore:
         log.info("re-routing request %s after %s (%d tokens so far)", request.request_id, why, len(request.output_ids))
         if request.attempt >= self.max_attempts:
             self._fail(request, NoRouteError(f"request given up after {request.attempt} pipelines failed ({why})"))
-        elif not self.ready:
+        elif not self.ready and not self._waits_for_replan():
             self._fail(request, NoRouteError(f"{why}: no complete pipeline is left ({self._why_down()})"))
-        elif task_down := self.router.task_unroutable(request.params.task):
+        elif self.ready and (task_down := self.router.task_unroutable(request.params.task)):
             self._fail(request, NoRouteError(f"{why}: {task_down}"))
+        elif not self.ready:
+            self._wait(request, self.now, first=True)  # a re-plan is coming: first in line when it is routed
         elif not self._try_start(request):
             request.status, request.deadline_s = RequestStatus.WAITING, float("inf")
             self.waiting.appendleft(request)  # KV-masked for now: first in line
@@ -358,11 +387,9 @@ class CoordinatorCore:
                            code=ErrorCode.AGENT_DEAD)  # fmt: skip
             else:
                 self._reroute(request, f"node {node} died")
-        if not self.ready:
-            while self.waiting:
-                self._fail(self.waiting.popleft(), NoRouteError(f"no complete pipeline is left "
-                                                                f"({self._why_down()})"))  # fmt: skip
-        for request in list(self.waiting):  # requests for a task whose holders are gone
+        if not self.ready and not self._waits_for_replan():
+            self._fail_waiting()
+        for request in list(self.waiting) if self.ready else ():  # requests for a task whose holders are gone
             if task_down := self.router.task_unroutable(request.params.task):
                 self.waiting.remove(request)
                 self._fail(request, NoRouteError(task_down))

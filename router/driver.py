@@ -79,7 +79,8 @@ class CoreDriver:
     def set_unavailable(self, reason: str) -> None:
         """Why the cluster cannot serve the model (said in 503s); "" once it can again."""
         with self.lock:
-            self.core.unavailable = reason
+            self.core.set_unavailable(reason)
+            self._schedule(time.monotonic(), from_io=False)  # the requests it fails are answered now
 
     def tick(self) -> None:
         """Expire requests that waited too long and start waiting ones (call a few times a second)."""

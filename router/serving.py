@@ -87,6 +87,7 @@ def build_coordinator(cluster: ClusterSpec, plan: Plan, profiles: ProfileSet | N
             raise ConfigError("re-planning as nodes come and go needs the cluster's profiles", field="profiles")
         coordinator.membership = MembershipDriver(coordinator, cluster, plan, profiles, options.membership,
                                                   num_layers=num_layers, watermark=options.watermark)  # fmt: skip
+        coordinator.core.wait_for_replan = True  # with no route left, requests wait for the re-plan (not yet started)
     return coordinator
 
 

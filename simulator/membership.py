@@ -100,6 +100,7 @@ class MembershipReplay:
         self.membership = Membership(cluster, plan, trace.membership_policy(), now=0.0)
         self.reroutes = Reroutes()
         sim.core.observer = self.reroutes
+        sim.core.wait_for_replan = True  # as the live coordinator: with no route left, requests wait for the re-plan
         self._joined = joined  # the WELCOMEs of the nodes serving at the start
         self.up = set(plan.placement)  # nodes whose agents run
         self.held: dict[str, Spans] = {n: ((r[0], r[1]),) for n, r in plan.placement.items()}
@@ -168,7 +169,7 @@ class MembershipReplay:
         elif isinstance(action, Dial):  # the joining agent's handshake
             sim.at(now, functools.partial(self._handshake, action.node))
         elif isinstance(action, Unavailable):
-            sim.core.unavailable = action.reason
+            sim.core.set_unavailable(action.reason)
         # Forget: nothing is kept of a departed node here
 
     # -- the trace's events ------------------------------------------------------------------------

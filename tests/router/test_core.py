@@ -240,3 +240,54 @@ def test_when_the_last_route_dies_waiting_requests_fail_with_no_route() -> None:
     out = core.schedule(0.1)
     assert sorted(o.request_id for o in out.outputs if isinstance(o.error, NoRouteError)) == ["a", "b", "c"]
     assert not core.requests and not core.waiting and DEMO_PLACEMENT.keys() >= core.router.dead
+
+
+def test_with_live_re_planning_requests_wait_through_an_outage_for_the_new_plan() -> None:
+    core = joined_core(demo_router(1e9), admission_timeout_s=20)
+    core.wait_for_replan = True
+    core.add_request(request("a", [1, 2, 3], max_tokens=10), now=0.0)
+    (_, admit), = admits(core.schedule(0.0))
+    core.update_from_output([tokens(last_node(admit), "a.1", 9)], now=0.1)
+    core.schedule(0.1)
+    core.update_from_output([AgentDied("cpu-0"), AgentDied("cpu-1")], now=0.2)  # no route is left
+    assert not core.ready and not core.schedule(0.2).outputs  # a, in flight, waits: not failed
+    core.add_request(request("b"), now=0.3)  # so does a new request (no 503 while a re-plan can help)
+    assert [r.request_id for r in core.waiting] == ["a", "b"] and not core.schedule(5.0).messages
+
+    survivor = demo_router(1e9, placement={"cpu-2": (0, 30)}, flows={("coordinator", "cpu-2"): 1.0,
+                                                                       ("cpu-2", "coordinator"): 1.0})
+    core.set_router(survivor)  # the re-plan is routed: cpu-2 now holds every layer
+    core.update_from_output([AgentJoined("cpu-2", welcome("cpu-2", (0, 30)))], now=6.0)
+    out = core.schedule(6.0)
+    started = {a.request_id.split(".")[0]: a for _, a in admits(out)}
+    assert set(started) == {"a", "b"} and started["a"].prompt == (1, 2, 3, 9)  # a re-prefilled, its token kept
+    assert all(s.stage.node == "cpu-2" for a in started.values() for s in a.pipeline)
+    assert not [o for o in out.outputs if o.error is not None]
+
+
+def test_waiting_for_a_re_plan_ends_when_the_membership_says_the_model_cannot_be_served() -> None:
+    core = joined_core(demo_router(1e9), admission_timeout_s=20)
+    core.wait_for_replan = True
+    core.add_request(request("a"), now=0.0)
+    core.schedule(0.0)
+    core.update_from_output([AgentDied("cpu-0"), AgentDied("cpu-1")], now=0.1)
+    core.add_request(request("b"), now=0.2)
+    assert [r.request_id for r in core.waiting] == ["a", "b"]
+    core.set_unavailable("the 1 node(s) left cannot serve the model: layers [0, 16) are held by no node")
+    out = core.schedule(0.3)
+    failed = {o.request_id: o.error for o in out.outputs}
+    assert set(failed) == {"a", "b"} and all(isinstance(e, NoRouteError) and "cannot serve the model" in str(e)
+                                             for e in failed.values())  # fmt: skip
+    with pytest.raises(NoRouteError, match="cannot serve the model"):  # and new requests are refused at once
+        core.add_request(request("c"), now=0.4)
+    assert not core.requests and not core.waiting
+
+
+def test_a_request_waiting_for_a_re_plan_still_times_out() -> None:
+    core = joined_core(demo_router(1e9), admission_timeout_s=5)
+    core.wait_for_replan = True
+    core.update_from_output([AgentDied("cpu-0"), AgentDied("cpu-1")], now=0.0)
+    core.add_request(request("a"), now=1.0)
+    assert not core.schedule(5.9).outputs
+    (out,) = core.schedule(6.0).outputs
+    assert out.request_id == "a" and isinstance(out.error, OverloadedError) and not core.waiting
