@@ -76,14 +76,16 @@ def test_coordinated_fills_a_slot_from_a_running_task_before_a_new_one() -> None
     assert s.schedule().admitted == ["a0", "a1", "a2", "a3"]
 
 
-def test_coordinated_leaves_a_slot_free_rather_than_add_a_costly_task_for_one_row() -> None:
-    """A mask task's op (1 ms) for one more decode row would raise the decode step's cost per token."""
+def test_coordinated_fills_every_slot_the_cheapest_mini_batch_per_row_first() -> None:
     s = make(BatchingMode.COORDINATED, max_batch_size=8)
-    for i in range(4):
-        s.add(f"a{i}", 4, 4, pending_tokens=4, task="a", pet_type="lora")
     s.add("m0", 4, 4, pending_tokens=4, task="m", pet_type="mask")
-    assert s.schedule().admitted == ["a0", "a1", "a2", "a3"]
-    assert [r.request_id for r in s.waiting] == ["m0"]
+    s.add("l0", 4, 4, pending_tokens=4, task="l", pet_type="lora")
+    for i in range(3):
+        s.add(f"m{i + 1}", 4, 4, pending_tokens=4, task="m2", pet_type="mask")
+        s.add(f"a{i}", 4, 4, pending_tokens=4, task="a", pet_type="lora")
+    # per row: a's LoRA 0.13 ms (α 0.03 + β 0.1), the lone LoRA the same, the three-row mask task 0.39 (its
+    # op shared by three), the lone mask 1.03; every slot is filled, the costly lone mask row last
+    assert s.schedule().admitted == ["a0", "a1", "a2", "l0", "m1", "m2", "m3", "m0"]
 
 
 def test_alpha_admits_the_shortest_prompts_and_fills_every_slot() -> None:
@@ -137,8 +139,8 @@ def test_a_request_waits_no_more_than_the_bound(mode: BatchingMode) -> None:
     worst = m0_worst = 0
     m0_first: int | None = None
     for i in range(200):
-        if i < 150 and len(s.waiting) < 6:  # keep LoRA requests queued behind it
-            lora(i)
+        while i < 150 and len(s.waiting) < 8:  # keep LoRA requests queued behind it
+            lora(len(max_tokens))
         batch = step(s, max_tokens, generated)
         assert batch.num_tokens <= 16 and sum(w.num_tokens for w in batch.work if w.is_prefill) <= 8
         if m0_first is None and any(w.request_id == "m0" for w in batch.work):

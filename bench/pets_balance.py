@@ -1,0 +1,235 @@
+"""PetS's scheduling on Helix (issue 19): which requests share a step on one node, which node runs a task.
+
+    python bench/pets_balance.py [--only batching|migration ...] [--rounds N]
+
+Sections (``--only``, repeatable; default: all; each is a ``Section`` in ``SECTIONS``, so more plug in):
+
+* **batching** (here; PetS section 3.3, ``node_agent/batching.py``): one agent's engine (SmolLM2-135M,
+  float32, one torch thread, in-process as in ``bench/pets.py``; the agent's defaults: max batch 32,
+  token budget 512, prefill chunk 256) holding ``--batching-tasks`` tasks of mixed PET types (128:
+  LoRA, adapter, BitFit, diff, mask in turn, ``node_agent.pet_samples``). Each round, ``--queries``
+  requests all at t = 0, each on a task drawn at random, prompts of Gaussian length (PetS's protocol:
+  mean 32, σ from ``--sigmas`` in turn by round; random token ids), ``--gen-tokens`` greedy tokens
+  each. The four policies (``helix agent --batching``) run the same requests, interleaved (ABBA):
+  fcfs, alpha (α-only), beta (β-only), coordinated; priced by the α and β models of ``helix
+  profile``'s measurement of this machine (the demo cluster's ``cpu``; ``--profiles`` takes a file).
+  A fifth arm, the same requests on the base model (no task), shows what the tasks' ops cost at all:
+  what any policy could win back. Figures: tokens (prompt + generated) per CPU-second, each policy ÷
+  fcfs within the round, the distinct tasks a step touched on average, and the cost model's
+  prediction of each arm's time. Target (the issue's): coordinated ÷ fcfs ≥ 1.2× (PetS: 1.52× over
+  fixed-size batching). The greedy tokens of every request are checked to be the same under every policy.
+* **migration** (``bench/pets_migration.py``; PetS section 3.4): PET migration vs a static task
+  assignment on a live cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(1, str(ROOT / "bench"))
+
+from harness import RoundLog, Target, add_rounds_option, arm_order, make_console, report  # noqa: E402
+
+CONSOLE = make_console()
+KINDS = ("lora", "adapter", "bitfit", "diff", "mask")
+POLICIES = ("fcfs", "alpha", "beta", "coordinated")
+BASE_ARM = "base model"
+TARGET = Target(">=", 1.2)
+
+
+@dataclass(frozen=True, slots=True)
+class Section:
+    """One part of the bench: its options, its default rounds (and why) and what runs it."""
+
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], None]
+    rounds: int
+    why: str
+
+
+# ---- batching: the four policies on one engine -------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Query:
+    prompt: list[int]
+    task: str
+
+
+def queries(n: int, sigma: float, tasks: list[str], vocab: int, seed: int) -> list[Query]:
+    """``n`` requests on tasks drawn at random, prompts of N(32, sigma) tokens (at least 1)."""
+    rng = random.Random(seed)
+    return [Query([rng.randrange(vocab) for _ in range(max(1, round(rng.gauss(32, sigma))))], rng.choice(tasks))
+            for _ in range(n)]  # fmt: skip
+
+
+def measured_costs(args: argparse.Namespace, layers: int) -> Any:
+    """The α and β models (``StepCostModel``) of this machine: ``--profiles``, else ``helix profile`` of the
+    demo cluster (from its cache when this machine was measured before; else it measures, minutes)."""
+    from helix.profile import load_profile_file
+    from helix.spec import load_cluster
+    from node_agent.batching import StepCostModel
+
+    cluster = load_cluster(ROOT / "clusters" / "demo" / "cluster.yaml")
+    if args.profiles:
+        profiles = load_profile_file(args.profiles)
+    else:
+        from profiler.cluster_profile import profile_cluster
+
+        with tempfile.TemporaryDirectory() as tmp:
+            result = profile_cluster(cluster, output=Path(tmp) / "profiles.yaml", measure_links=False,
+                                     notify=lambda _phase, msg: CONSOLE.print(f"[dim]profile: {msg}[/]"))  # fmt: skip
+            profiles = result.profiles
+    curves = profiles.throughput("cpu", cluster.model).curves()
+    if curves is None or not curves.pet:
+        raise SystemExit("the profile has no measured curves with pet_ms_per_layer (helix profile measures them)")
+    return StepCostModel(curves, layers)
+
+
+def run_arm(engine: Any, batch: list[Query], gen_tokens: int, base: bool, costs: Any,
+            pet_of: dict[str, str], tag: str) -> dict[str, Any]:  # fmt: skip
+    """Every request at t = 0 until all finish: CPU seconds, tokens, steps, tasks per step, the model's seconds."""
+    from node_agent.sampling import SamplingParams
+
+    task_of: dict[str, str | None] = {}
+    for i, q in enumerate(batch):
+        rid = f"{tag}{i}"
+        task_of[rid] = None if base else q.task
+        engine.add_request(rid, SamplingParams(max_tokens=gen_tokens), prompt_token_ids=q.prompt, task=task_of[rid])
+    tokens: dict[str, list[int]] = {}
+    steps = touched = 0
+    model_ms = 0.0
+    head = costs.curves.head
+    t0 = time.process_time()
+    while engine.has_unfinished:
+        result = engine.step()
+        steps += 1
+        rows: dict[str, int] = {}
+        for out in result.outputs:
+            if out.token is not None:
+                tokens.setdefault(out.request_id, []).append(out.token)
+            task = task_of[out.request_id]
+            if task is not None:
+                rows[task] = rows.get(task, 0) + out.num_tokens
+        touched += len(rows)
+        prefill, decodes, _ = result.by_start.get(0, (0, 0, 0))
+        sampled = sum(out.token is not None for out in result.outputs)
+        model_ms += costs.alpha_ms(prefill, decodes) + sum(costs.beta_ms(pet_of[t], n) for t, n in rows.items()) \
+            + (head.at(sampled) if head is not None else 0.0)
+    cpu = time.process_time() - t0
+    processed = sum(len(q.prompt) for q in batch) + sum(map(len, tokens.values()))
+    return {"cpu_s": cpu, "tok_s": processed / cpu, "steps": steps, "tasks_per_step": touched / steps,
+            "model_s": model_ms / 1000, "tokens": [tokens.get(f"{tag}{i}", []) for i in range(len(batch))]}
+
+
+def bench_batching(args: argparse.Namespace) -> None:
+    import torch
+
+    from node_agent.batching import BatchingMode, BatchingPolicy
+    from node_agent.engine import StageEngine
+    from node_agent.gguf_convert import cached_model_dir
+    from node_agent.pet_samples import LORA_RANK, sample_pet
+
+    torch.set_num_threads(1)
+    n_tasks, n_queries = (16, 48) if args.quick else (args.batching_tasks, args.queries)
+    sigmas = [float(s) for s in args.sigmas.split(",")]
+    engine = StageEngine(cached_model_dir(), kv_capacity_tokens=65536)
+    config = engine.scheduler.config
+    costs = measured_costs(args, engine.layer_end - engine.layer_start)
+    CONSOLE.print(f"[dim]α: decode {costs.alpha_ms(0, 1):.1f} ms at 1, {costs.alpha_ms(0, 32):.1f} ms at 32; prefill "
+                  f"{costs.alpha_ms(256, 0):.0f} ms at 256 tokens. β at 1 / 16 rows (ms, all layers): "
+                  + ", ".join(f"{k} {costs.beta_ms(k, 1):.2f} / {costs.beta_ms(k, 16):.2f}" for k in KINDS) + "[/]")
+    names, pet_of = [], {}
+    t0 = time.perf_counter()
+    for i in range(n_tasks):
+        kind = KINDS[i % len(KINDS)]
+        names.append(f"{kind}-{i}")
+        pet_of[names[-1]] = kind
+        engine.add_task(names[-1], sample_pet(kind, engine.config, seed=3000 + i), max_lora_rank=LORA_RANK)
+    CONSOLE.print(f"[dim]{n_tasks} tasks bound in {time.perf_counter() - t0:.0f} s[/]")
+    policies = {p: BatchingPolicy(BatchingMode(p), args.max_passed_over_steps,
+                                  None if p == "fcfs" else costs) for p in POLICIES}  # fmt: skip
+    arms = [*POLICIES, *([] if args.no_base_arm else [BASE_ARM])]
+    vocab = engine.config.vocab_size
+    warm = queries(16, 4, names, vocab, seed=999)
+    run_arm(engine, warm, 4, False, costs, pet_of, "warm")
+    log = RoundLog()
+    same = True
+    for r in log.each_round(args.rounds, lambda text: CONSOLE.print(f"[dim]batching: {text}[/]")):
+        sigma = sigmas[r % len(sigmas)]
+        batch = queries(n_queries, sigma, names, vocab, seed=r)
+        log.record(r, "prompt σ", sigma, "")
+        reference: list[list[int]] | None = None
+        for arm in arm_order(arms, r):
+            engine.scheduler.config = replace(config, batching=policies.get(arm, policies["fcfs"]))
+            got = run_arm(engine, batch, args.gen_tokens, arm == BASE_ARM, costs, pet_of, f"r{r}{arm[:2]}-")
+            CONSOLE.print(f"[dim]  {arm}: {got['cpu_s']:.1f} CPU-s (model {got['model_s']:.1f} s), {got['steps']} "
+                          f"steps, {got['tasks_per_step']:.1f} tasks a step[/]")
+            log.record(r, f"{arm}, tok/s (CPU)", got["tok_s"], "tok/s")
+            log.record(r, f"{arm}, tasks a step", got["tasks_per_step"], "")
+            log.record(r, f"{arm}, model s ÷ CPU s", got["model_s"] / got["cpu_s"], "×")
+            if arm != BASE_ARM:
+                reference = reference or got["tokens"]
+                same = same and got["tokens"] == reference
+        for arm in arms[1:]:
+            log.ratio(f"{arm} ÷ fcfs", f"{arm}, tok/s (CPU)", "fcfs, tok/s (CPU)")
+    engine.scheduler.config = config
+    report(CONSOLE, log, f"Coordinated batching: {n_tasks} tasks of five PET types, {n_queries} requests at t = 0 on "
+                         f"random tasks, prompts N(32, σ), {args.gen_tokens} greedy tokens; SmolLM2-135M, one thread",
+           {"coordinated ÷ fcfs": TARGET})  # fmt: skip
+    style = "green" if same else "red"
+    CONSOLE.print(f"[{style}]every request's greedy tokens the same under the four policies: {same}[/]")
+
+
+def add_batching_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("batching")
+    g.add_argument("--queries", type=int, default=256, help="requests per round, all at t = 0 (default 256)")
+    g.add_argument("--batching-tasks", type=int, default=128, help="tasks, PET types in turn (default 128)")
+    g.add_argument("--sigmas", default="1,8", help="prompt length σ by round, in turn (default 1,8; mean 32)")
+    g.add_argument("--gen-tokens", type=int, default=16, help="greedy tokens per request (default 16)")
+    g.add_argument("--max-passed-over-steps", type=int, default=16, help="the policies' starvation bound (default 16)")
+    g.add_argument("--profiles", help="profiles file with the machine's curves (default: helix profile of the demo)")
+    g.add_argument("--no-base-arm", action="store_true", help="skip the base-model arm")
+    g.add_argument("--quick", action="store_true", help="smoke run: 16 tasks, 48 requests")
+
+
+def _migration() -> Any:
+    import pets_migration
+
+    return pets_migration
+
+
+SECTIONS: dict[str, Section] = {
+    "batching": Section(add_batching_arguments, bench_batching, 2,
+                        "a round is five arms of the same requests, about 4-5 minutes"),
+    "migration": Section(lambda p: _migration().add_migration_arguments(p.add_argument_group("migration")),
+                         lambda a: _migration().bench_migration(a), 1,
+                         "a round runs both arms, each on a fresh cluster (about 8 minutes)"),
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", choices=list(SECTIONS), action="append",
+                        help="run only these sections (repeatable; default: all)")
+    for section in SECTIONS.values():
+        section.add_arguments(parser)
+    add_rounds_option(parser, None, "; ".join(f"{name} {s.rounds}: {s.why}" for name, s in SECTIONS.items()))
+    args = parser.parse_args()
+    for name in args.only or list(SECTIONS):
+        section = SECTIONS[name]
+        section.run(argparse.Namespace(**{**vars(args), "rounds": args.rounds or section.rounds}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
