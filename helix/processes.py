@@ -12,12 +12,14 @@ with an error naming the process and its log tail when one exits first or time r
 grace period; :meth:`Supervisor.kill` sends one process kill -9 (the failover tests).
 :func:`cpu_seconds` is the CPU time a process used (psutil), for the benches.
 
-:class:`WorkerProcess` is a Python worker of this process (``multiprocessing``, *spawn*: a fresh
-interpreter, none of our threads or locks): it runs one call at a time out of our interpreter and
-sends the result back (the coordinator's re-planner, so that planning does not take the GIL from
-token handling). A call that outlives its deadline gets the worker killed; a worker that dies
-mid-call (killed, crashed) is reported as :class:`WorkerFailed`; the next call starts a fresh one.
-It is a daemon (gone when we exit) and ends by itself when its pipe closes (we died).
+:class:`WorkerProcess` is a Python worker of this process (a fresh interpreter, started like the
+supervised ones: one torch thread, its own session, death with its parent; our ``sys.path``; calls
+and results pickled over a socket pair, as ``multiprocessing`` does, without its re-import of our
+``__main__``): it runs one call at a time out of our interpreter and sends the result back (the
+coordinator's re-planner, so that planning does not take the GIL from token handling). A call that
+outlives its deadline gets the worker killed; a worker that dies mid-call (killed, crashed) is
+reported as :class:`WorkerFailed`; the next call starts a fresh one. It also ends by itself when its
+socket closes (we are gone).
 """
 
 from __future__ import annotations
@@ -25,19 +27,19 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import importlib
-import multiprocessing
 import os
 import pickle
 import selectors
 import signal
+import socket
 import subprocess
+import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import TypeVar
 
@@ -238,8 +240,7 @@ class WorkerProcess:
 
     def __init__(self, name: str, *, preload: Sequence[str] = ()) -> None:
         self.name, self.preload = name, tuple(preload)
-        self._context = multiprocessing.get_context("spawn")
-        self._process: BaseProcess | None = None
+        self._popen: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
         self._lock = threading.Lock()  # one call at a time; held for the whole round trip
         self._closed = False
@@ -247,8 +248,8 @@ class WorkerProcess:
     @property
     def pid(self) -> int | None:
         """The running worker's pid (None before the first start and after a death or close)."""
-        process = self._process
-        return process.pid if process is not None and process.is_alive() else None
+        popen = self._popen
+        return popen.pid if popen is not None and popen.poll() is None else None
 
     def start(self) -> None:
         """Start the worker now rather than at the first call (it imports ``preload`` meanwhile)."""
@@ -262,7 +263,7 @@ class WorkerProcess:
         ``timeout_s`` (it is killed then); the next call starts a fresh worker."""
         with self._lock:
             conn = self._ensure()
-            pid = self._process.pid if self._process is not None else None
+            pid = self._popen.pid if self._popen is not None else None
             try:
                 conn.send((fn, args))
                 answered = conn.poll(timeout_s)  # True at EOF too: recv tells
@@ -282,10 +283,10 @@ class WorkerProcess:
         """Stop the worker (kill -9: its only state is the call in flight, which then fails with
         WorkerFailed) and reap it; calls after this fail."""
         self._closed = True
-        process = self._process
-        if process is not None and process.is_alive():
-            with contextlib.suppress(OSError, ValueError):
-                process.kill()
+        popen = self._popen
+        if popen is not None:
+            with contextlib.suppress(OSError):
+                popen.kill()
         with self._lock:
             self._stop_process()
 
@@ -294,43 +295,47 @@ class WorkerProcess:
     def _ensure(self) -> Connection:
         if self._closed:
             raise WorkerFailed(f"the {self.name} worker is closed")
-        if self._process is not None and self._conn is not None and self._process.is_alive():
+        if self._popen is not None and self._conn is not None and self._popen.poll() is None:
             return self._conn
         self._stop_process()
-        ours, theirs = self._context.Pipe()
-        process = self._context.Process(target=_serve_calls, args=(theirs, self.preload), name=f"helix-{self.name}",
-                                        daemon=True)  # fmt: skip
-        process.start()
-        theirs.close()
-        self._process, self._conn = process, ours
-        return ours
+        ours, theirs = socket.socketpair()  # as multiprocessing.Pipe(): pickles over a Unix socket
+        with ours, theirs:
+            self._popen = subprocess.Popen([sys.executable, "-c", _WORKER_MAIN, str(theirs.fileno()), *self.preload],
+                                           pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+                                           env={**os.environ, **ONE_THREAD}, start_new_session=True,
+                                           preexec_fn=_die_with_parent)  # fmt: skip
+            self._conn = Connection(ours.detach())
+        self._conn.send(list(sys.path))  # the worker imports what we can
+        return self._conn
 
     def _died(self, pid: int | None) -> WorkerFailed:
-        process = self._process
-        if process is not None:
-            process.join(timeout=5)
-        code = process.exitcode if process is not None else None
+        code = None
+        if self._popen is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                code = self._popen.wait(timeout=5)
         how = "its exit code unknown" if code is None else f"killed by signal {-code}" if code < 0 else \
             f"exit code {code}"
         self._stop_process()
         return WorkerFailed(f"the {self.name} worker (pid {pid}) died during a call ({how})")
 
     def _stop_process(self) -> None:
-        process, conn = self._process, self._conn
-        self._process = self._conn = None
+        popen, conn = self._popen, self._conn
+        self._popen = self._conn = None
         if conn is not None:
             conn.close()
-        if process is not None:
-            if process.is_alive():
-                process.kill()
-            process.join(timeout=10)
-            with contextlib.suppress(ValueError):  # still running after 10 s: left to the daemon cleanup
-                process.close()
+        if popen is not None:
+            with contextlib.suppress(OSError):
+                popen.kill()
+            popen.wait(timeout=10)
 
 
-def _serve_calls(conn: Connection, preload: tuple[str, ...]) -> None:
+# The worker's command line (python -c): no re-import of our __main__ (multiprocessing's spawn would)
+_WORKER_MAIN = ("import sys; from multiprocessing.connection import Connection; conn = Connection(int(sys.argv[1])); "
+                "sys.path[:] = conn.recv(); from helix.processes import _serve_calls; _serve_calls(conn, sys.argv[2:])")
+
+
+def _serve_calls(conn: Connection, preload: Sequence[str]) -> None:
     """The worker's main: import ``preload``, then answer calls until the pipe closes."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's; it stops us
     for module in preload:
         importlib.import_module(module)
     while True:

@@ -8,8 +8,8 @@ loop, its actions carried out.
   :class:`helix.processes.WorkerProcess`, started with the server by :meth:`MembershipDriver.start`
   and stopped by :meth:`MembershipDriver.close`: planning takes seconds of CPU, and out of this
   interpreter it does not take the GIL from token handling; a thread waits for its answer) over the
-  cluster file's nodes less those gone plus those joined (``planner.replan.without_nodes`` /
-  ``with_nodes``). A worker that dies or does not answer within twice the planner's time limit plus
+  cluster file's nodes less those gone plus those joined (:func:`router.replan_call.replan_membership`;
+  the planner is never imported here). A worker that dies or does not answer within twice the planner's time limit plus
   :data:`REPLAN_SLACK_S` (it is killed) is a failed re-plan (:class:`ReplanFailed`: the old plan
   stays, the change is tried again later) and the next re-plan starts a fresh worker. SET_LAYERS and
   RELEASE_LAYERS go out through the transport, which also dials joining nodes and forgets departed
@@ -25,7 +25,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Coroutine, Mapping
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from helix.errors import HelixError, InfeasiblePlanError, RequestError
 from helix.plan import Plan
@@ -51,10 +51,8 @@ from router.membership_types import (
     Unavailable,
 )
 from router.policy import Router, plan_flows
+from router.replan_call import ReplanResult, replan_membership
 from router.tasks import TaskRegistry
-
-if TYPE_CHECKING:
-    from planner.replan import Replan
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +75,9 @@ class MembershipDriver:
 
     def __init__(self, serving: Serving, cluster: ClusterSpec, plan: Plan, profiles: ProfileSet,
                  policy: MembershipPolicy, *, num_layers: int, watermark: float,
-                 replan: Callable[..., Replan] | None = None) -> None:  # fmt: skip
-        """``replan``: what the worker runs, ``replan(cluster, profiles, plan, options) -> Replan``, importable by
-        name (default ``planner.replan.replan``; tests give others)."""
+                 replan: Callable[..., object] | None = None) -> None:  # fmt: skip
+        """``replan``: the re-planner the worker runs, ``replan(cluster, profiles, plan, options) -> Replan``,
+        importable by name (default ``planner.replan.replan``; tests give others)."""
         self.serving = serving
         self.cluster = cluster  # the cluster file's: a re-plan's membership is these nodes less the gone plus the joined
         self.profiles, self.num_layers, self.watermark = profiles, num_layers, watermark
@@ -87,7 +85,7 @@ class MembershipDriver:
         self._clusters: dict[int, ClusterSpec] = {}  # version -> the membership its re-plan was made for
         self._background: set[asyncio.Future[None]] = set()
         self._replan = replan
-        self.worker = WorkerProcess("re-planner", preload=("planner.replan",))
+        self.worker = WorkerProcess("re-planner", preload=("router.replan_call", "planner.replan"))
 
     def start(self) -> None:
         """Start the re-planner's worker (it imports the planner now rather than at the first re-plan)."""
@@ -155,20 +153,13 @@ class MembershipDriver:
             self.serving.driver.set_unavailable(action.reason)
 
     def _start_replan(self, action: StartReplan) -> None:
-        from planner.replan import ReplanOptions, replan, with_nodes, without_nodes
-
-        keep = {n.id for n in action.nodes}
-        base = self.cluster
-        cluster = with_nodes(without_nodes(base, [n for n in base.node_ids if n not in keep]),
-                             [n for n in action.nodes if n.id not in base.node_ids])  # fmt: skip
-        self._clusters[action.version] = cluster
         limit_s = self.membership.policy.replan_time_limit_s
-        call = functools.partial(self.worker.call, self._replan or replan, cluster, self.profiles, action.plan,
-                                 ReplanOptions(time_limit_s=limit_s), timeout_s=2 * limit_s + REPLAN_SLACK_S)  # fmt: skip
+        call = functools.partial(self.worker.call, replan_membership, self.cluster, action.nodes, self.profiles,
+                                 action.plan, limit_s, self._replan, timeout_s=2 * limit_s + REPLAN_SLACK_S)  # fmt: skip
         future = asyncio.get_running_loop().run_in_executor(None, call)
         future.add_done_callback(functools.partial(self._replanned, action.version))
 
-    def _replanned(self, version: int, future: asyncio.Future[Replan]) -> None:
+    def _replanned(self, version: int, future: asyncio.Future[ReplanResult]) -> None:
         event: MembershipEvent
         try:
             result = future.result()
@@ -185,6 +176,7 @@ class MembershipDriver:
         else:
             log.info("re-plan v%d: %s, %d layers to load (%s)", version, result.decision, result.layers_moved,
                      dict(result.plan.placement))  # fmt: skip
+            self._clusters[version] = result.cluster
             event = Replanned(version, result.plan)
         self.on_event(event)
 

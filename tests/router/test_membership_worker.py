@@ -98,12 +98,13 @@ def test_a_worker_that_dies_or_hangs_is_a_failed_replan_and_the_next_starts_afre
     async def run() -> tuple[str, int | None, Plan, MembershipDriver]:
         driver = _driver(failing)
         driver.start()
-        dead = driver.worker.pid
+        dead = driver.worker.call(os.getpid, timeout_s=120)  # started: the deadline below is the call's alone
         driver.on_event(AgentDied("cpu-0"))
         await _planned(driver)
         assert driver.membership.reconfig is None and driver.membership.version == 0  # the old plan stays
         error = driver.membership.last_error
         driver._replan = replan_noting_pid
+        monkeypatch.setattr(membership_driver, "REPLAN_SLACK_S", 60.0)  # the fresh worker's start may be slow
         await asyncio.sleep(POLICY.retry_s)
         driver.tick()  # planned again
         await _planned(driver)
@@ -114,6 +115,7 @@ def test_a_worker_that_dies_or_hangs_is_a_failed_replan_and_the_next_starts_afre
         expected = "died during a call (exit code 7)" if failing is crash else "did not answer within 3 s; it was killed"
         assert f"the re-planner worker (pid {dead}) " in error and expected in error, error
         assert dead is not None and not psutil.pid_exists(dead) and driver.worker.pid != dead  # reaped; a fresh one
+        assert "plan v2 made" in str(driver.membership.history), driver.membership.history
         assert sorted(plan.placement) == ["cpu-1", "cpu-2"] and plan.stats["worker_pid"] == driver.worker.pid
     finally:
         driver.close()
