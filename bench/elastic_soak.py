@@ -61,7 +61,7 @@ KINDS, WEIGHTS = ("kill", "leave", "join"), (0.4, 0.2, 0.4)
 RSS_EVERY_S = 2.0
 STATUS_EVERY_S = 15.0
 SETTLE_S = 90.0
-RSS_GROWTH_MIB = 32.0
+RSS_GROWTH_MIB = 16.0
 RSS_SLOPE_MIB_PER_MIN = 2.0
 out = make_console()
 
