@@ -11,16 +11,21 @@ group:
   capacity: the plan's flow into it) and the group's balance ``phi = L_min / L_max``;
 * if ``phi < theta``, moves tasks greedily from the most to the least loaded node (Algorithm 3):
   of the tasks on the most loaded node, the one whose move shrinks the spread ``L_max - L_min``
-  the most (its requests counted as the target's from now on), repeating while the spread shrinks,
-  at most ``max_moves`` moves a round, each task once, never past a node's memory limit for PETs
-  (``node_task_bytes``). The base model's requests count towards a node's load and never move;
+  the most (its requests counted as the target's from now on), repeating while the spread shrinks
+  and is more than chance (``noise_z`` standard deviations of the difference of two Poisson
+  counts), at most ``max_moves`` moves a round, each task once, never past a node's memory limit
+  for PETs (``node_task_bytes``). Every request counted on a node is its load (the base model's,
+  and those of tasks moved away since: they ran there); only the tasks it holds move;
 * adapts the interval to the next round (PetS): ``phi < theta`` halves it (not below
   ``min_interval_s``), otherwise it grows by ``step_s`` (not above ``max_interval_s``).
 
-Two departures from the paper's listing, both to move fewer PETs for the same balance: line 6 moves
-the *least* requested task of the busiest node, which stops at once when that task had no request
-(the spread does not shrink) and takes many small moves where one would do; here the move chosen is
-the one that shrinks the spread most. And a round moves nothing when ``phi >= theta``.
+Departures from the paper's listing, to move fewer PETs for the same balance: line 6 moves the
+*least* requested task of the busiest node, which stops at once when that task had no request (the
+spread does not shrink) and takes many small moves where one would do; here the move chosen is the
+one that shrinks the spread most. A round moves nothing when ``phi >= theta``. And the spread must
+exceed chance: PetS counted thousands of queries a window, where chance is negligible; at tens of
+requests a window the counts' noise alone moves a popular task back and forth (measured:
+bench/pets_migration.py).
 
 A move to a node that already holds the task (every node holds a task no one restricted) is only
 the source's unload. Pure and step-driven: the caller passes ``now`` and the counts, and carries
@@ -29,6 +34,7 @@ out the moves (:mod:`router.pet_migration`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -46,6 +52,7 @@ class BalancePolicy:
     step_s: float = 2.0  # the interval grows by this after a balanced round
     max_moves: int = 8  # PET moves per round at most
     min_requests: int = 32  # a window with fewer requests counted is not judged (phi = 1; the caller keeps counting)
+    noise_z: float = 2.0  # a spread within this many standard deviations of chance (Poisson counts) is no imbalance
     node_task_bytes: Mapping[str, int] = field(default_factory=dict)  # node -> most PET bytes it holds; absent: no limit
 
     def __post_init__(self) -> None:
@@ -53,8 +60,8 @@ class BalancePolicy:
             raise ValueError(f"theta must be in (0, 1], got {self.theta}")
         if not 0 < self.min_interval_s <= self.interval_s <= self.max_interval_s:
             raise ValueError("the intervals must satisfy 0 < min_interval_s <= interval_s <= max_interval_s")
-        if self.step_s < 0 or self.max_moves < 0 or self.min_requests < 0:
-            raise ValueError("step_s, max_moves and min_requests must be >= 0")
+        if self.step_s < 0 or self.max_moves < 0 or self.min_requests < 0 or self.noise_z < 0:
+            raise ValueError("step_s, max_moves, min_requests and noise_z must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,12 +118,15 @@ class _Group:
         self.nodes = nodes
         self.view = view
         self.cap = {n: view.capacity.get(n, 1.0) or 1.0 for n in nodes}
-        self.on: dict[str, dict[str, float]] = {n: {} for n in nodes}  # node -> task -> requests there
+        self.on: dict[str, dict[str, float]] = {n: {} for n in nodes}  # node -> task it holds -> requests there
+        self.counted = dict.fromkeys(nodes, 0.0)  # node -> every request counted there (base, tasks moved away)
         self.held = {t: view.holders.get(t) for t in view.tasks}
         for (task, node), count in view.counts.items():
-            if node in self.on and (not task or self.holds(task, node)):
-                self.on[node][task] = self.on[node].get(task, 0.0) + count
-        self.loads = {n: sum(self.on[n].values()) / self.cap[n] for n in nodes}
+            if node in self.on:
+                self.counted[node] += count
+                if task and self.holds(task, node):
+                    self.on[node][task] = self.on[node].get(task, 0.0) + count
+        self.loads = {n: self.counted[n] / self.cap[n] for n in nodes}
         self.used = {n: sum(view.task_bytes.get((t, n), 0) for t in view.tasks if self.holds(t, n)) for n in nodes}
 
     def holds(self, task: str, node: str) -> bool:
@@ -125,6 +135,10 @@ class _Group:
 
     def nbytes(self, task: str, src: str, dst: str) -> int:
         return self.view.task_bytes.get((task, dst), self.view.task_bytes.get((task, src), 0))
+
+    def noise(self, hi: str, lo: str, z: float) -> float:
+        """``z`` standard deviations of the two nodes' load difference, requests counted as Poisson."""
+        return z * math.sqrt(self.counted[hi] / self.cap[hi] ** 2 + self.counted[lo] / self.cap[lo] ** 2)
 
     def spread_after(self, hi: str, lo: str, count: float) -> float:
         after = dict(self.loads)
@@ -137,6 +151,8 @@ class _Group:
         self.on[move.dst][move.task] = self.on[move.dst].get(move.task, 0.0) + count
         self.loads[move.src] -= count / self.cap[move.src]
         self.loads[move.dst] += count / self.cap[move.dst]
+        self.counted[move.src] -= count
+        self.counted[move.dst] += count
         if move.copy:
             self.used[move.dst] += self.nbytes(move.task, move.src, move.dst)
         self.used[move.src] -= self.view.task_bytes.get((move.task, move.src), 0)
@@ -153,6 +169,8 @@ def plan_moves(nodes: list[str], view: LoadView, policy: BalancePolicy) -> list[
         hi = max(nodes, key=lambda n: (group.loads[n], n))
         lo = min(nodes, key=lambda n: (group.loads[n], n))
         spread = group.loads[hi] - group.loads[lo]
+        if spread <= group.noise(hi, lo, policy.noise_z):
+            break
         best: tuple[float, float, str] | None = None
         for task, count in group.on[hi].items():
             if not task or count <= 0 or task in moved or task not in group.held:

@@ -6,8 +6,11 @@
 * **counting**: :class:`TaskLoadObserver` wraps the core's observer and counts every attempt, at
   its first token, once for each node of its pipeline under its task (the base model's as "");
 * **deciding**: when :class:`router.pet_balancer.PetBalancer` is due, the window's counts, the
-  routable nodes' layers and planned flows (their relative capacity), the tasks' holders and their
-  bytes per node make a :class:`~router.pet_balancer.LoadView`; the balancer says which PETs move;
+  routable nodes' layers, the tasks' holders and their bytes per node make a
+  :class:`~router.pet_balancer.LoadView`; the balancer says which PETs move. Nodes holding the same
+  layers are taken as equally fast (PetS's identical instances): the plan's flows are no measure of
+  their speed, as a max flow need not split among replicas in proportion to their capacity (the
+  demo's cpu-1 and cpu-2 on [0, 16) get 53 and 816 tok/s when cpu-0 is the bottleneck);
 * **moving**, one move after the other: (1) *copy*: the target loads the task for its layers
   (LOAD_TASK over the task registry's path, :meth:`router.tasks.TaskRegistry.copy_to`) unless it
   holds it already; (2) *switch*: between two core steps the task's holders change
@@ -108,25 +111,29 @@ class PetMigrator:
                 for key, n in counts.items():
                     self._counts[key] -= n
                 self._counts = {k: n for k, n in self._counts.items() if n > 0}
+        if self.last.judged:
+            per_node: dict[str, float] = {}
+            for (_, node), n in counts.items():
+                per_node[node] = per_node.get(node, 0.0) + n
+            log.info("PET balance: phi %.2f, requests by node %s, next round in %.1f s; moving %s", self.last.phi,
+                     {n: int(c) for n, c in sorted(per_node.items())}, self.last.interval_s,
+                     ", ".join(f"{m.task} {m.src}->{m.dst}" for m in self.last.moves) or "nothing")  # fmt: skip
         if self.last.moves:
-            log.info("PET balance: phi %.2f, moving %s", self.last.phi,
-                     ", ".join(f"{m.task} {m.src}->{m.dst}" for m in self.last.moves))  # fmt: skip
             self._moving = asyncio.ensure_future(self._move_all(self.last.moves))
 
     def view(self, counts: dict[tuple[str, str], float]) -> LoadView:
         """The window's counts and who holds what, as the core and the registry see them now."""
 
-        def look(core: CoordinatorCore) -> tuple[dict[str, tuple[int, int]], dict[str, float], dict[str, frozenset[str]]]:
+        def look(core: CoordinatorCore) -> tuple[dict[str, tuple[int, int]], dict[str, frozenset[str]]]:
             router = core.router
             layers = {n: r for n, r in router.topology.placement.items()
                       if n not in router.dead and n not in router.draining}  # fmt: skip
-            inflow = {n: sum(iwrr.weights.get(n, 0.0) for iwrr in router.iwrr.values()) for n in layers}
-            return layers, inflow, router.task_nodes.restricted()
+            return layers, router.task_nodes.restricted()
 
-        layers, inflow, holders = self.serving.driver.locked(look)
+        layers, holders = self.serving.driver.locked(look)
         ready = self.serving.tasks.ready()
         task_bytes = {(t.name, n): b for t in ready for n, b in t.nbytes.items()}
-        return LoadView(counts, layers, [t.name for t in ready], holders, task_bytes, inflow)
+        return LoadView(counts, layers, [t.name for t in ready], holders, task_bytes)
 
     async def _move_all(self, moves: Sequence[Move]) -> None:
         for move in moves:

@@ -44,7 +44,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, demo_cluster: Path,
             cluster_server: Any) -> Iterator[ServingCluster]:  # fmt: skip
     from router.serving import ServeOptions
 
-    balance = BalancePolicy(interval_s=1.0, min_interval_s=0.5, max_interval_s=2.0, step_s=0.5, min_requests=4)
+    balance = BalancePolicy(interval_s=1.0, min_interval_s=0.5, max_interval_s=2.0, step_s=0.5, min_requests=4,
+                            noise_z=0.0)  # fmt: skip
     options = ServeOptions(max_tokens_cap=4096, task_placement=PlacementPolicy.SPREAD, pet_balance=balance)
     yield from cluster_server(tmp_path_factory, demo_cluster, options=options, placement=REPLICATED)
 
