@@ -1,7 +1,8 @@
 """Elastic clusters (issue 18): what a change of membership costs.
 
     python bench/elastic.py [--only planner] [--objective max-flow|serving|both] [--nodes a100-6,t4-1]
-                            [--time-limit 10] [--scratch-limit 30] [--full-limit 60] [--rounds 1] [--quick]
+                            [--time-limit 10] [--scratch-limit 30] [--full-limit 60] [--exact-limit 60]
+                            [--rounds 1] [--quick]
     python bench/elastic.py --only cluster [--clients 16] [--max-tokens 64] [--victim cpu-0] [--rounds 1]
     python bench/elastic.py --only soak [--duration-s 300] [--events 20] [--seed 0] [--clients 16] [--max-agents 4]
 
@@ -20,7 +21,11 @@ seconds), remove each node in turn (every one of the 24, a row each) and re-plan
 * **from scratch**: ``make_plan`` of the 23 nodes (``--scratch-limit`` seconds), as a user without
   re-planning would run it; its moves are counted as made (``raw``) and after the best relabelling
   among interchangeable nodes (``relabelled``, ``planner.moves.relabel``: the fairest from-scratch
-  plan, and the stricter test).
+  plan, and the stricter test);
+* **exact minimum**, for the record: ``planner.min_moves.fewest_moves`` (``--exact-limit`` seconds),
+  the fewest layers any placement of the 23 can move while its max flow stays at 95 % of the
+  from-scratch plan's, proven (or its lower bound, ``≥ n``, when the time runs out). Where it is above
+  25 % of the from-scratch moves, no re-planner can meet the moves target for that node.
 
 Moves = layers the nodes must newly load (``planner.moves.layers_moved``). Targets for every node
 removed: incremental moves ≤ 25 % of the from-scratch plan's, incremental max flow ≥ 95 % of the
@@ -54,6 +59,7 @@ from helix.profile import ProfileSet, load_profiles_for  # noqa: E402
 from helix.spec import ClusterSpec, load_cluster  # noqa: E402
 from planner.api import make_plan, serving_estimate  # noqa: E402
 from planner.capacity import CapacityModel  # noqa: E402
+from planner.min_moves import FewestMoves, fewest_moves  # noqa: E402
 from planner.moves import layers_moved, relabel, renamed  # noqa: E402
 from planner.replan import ReplanOptions, replan, without_nodes  # noqa: E402
 
@@ -91,13 +97,17 @@ def remove_one(cluster: ClusterSpec, profiles: ProfileSet, full: Plan, node: str
     scratch = make_plan(smaller, profiles, objective=objective, time_limit_s=args.scratch_limit, simulate=False,
                         seed=seed)
     raw = layers_moved(full.placement, scratch.placement)
-    relabelled = _relabelled_moves(CapacityModel.build(smaller, profiles), full, scratch)
+    cap = CapacityModel.build(smaller, profiles)
+    relabelled = _relabelled_moves(cap, full, scratch)
+    exact = fewest_moves(cap, full.placement, FLOW_TARGET * scratch.max_flow_tok_s, time_limit_s=args.exact_limit)
     row = {
         "node": node, "gpu": cluster.node(node).gpu, "held": full.layers_held(node) if node in full.placement else 0,
         "moves": r.layers_moved, "raw": raw, "relabelled": relabelled,
         "ratio_raw": _ratio(r.layers_moved, raw), "ratio_relabelled": _ratio(r.layers_moved, relabelled),
         "flow": r.plan.max_flow_tok_s, "scratch_flow": scratch.max_flow_tok_s,
         "flow_ratio": _ratio(r.plan.max_flow_tok_s, scratch.max_flow_tok_s), "decision": r.decision, "wall": wall,
+        "exact": _exact_cell(exact), "exact_min": exact.lower_bound, "ratio_exact_raw": _ratio(exact.lower_bound, raw),
+        "ratio_exact_relabelled": _ratio(exact.lower_bound, relabelled),
     }
     if objective == "serving":
         ours, theirs = serving_estimate(smaller, profiles, r.plan), serving_estimate(smaller, profiles, scratch)
@@ -106,18 +116,27 @@ def remove_one(cluster: ClusterSpec, profiles: ProfileSet, full: Plan, node: str
     return row
 
 
+def _exact_cell(got: FewestMoves) -> str:
+    """The exact minimum as a table cell: ``9`` (proven), ``≥ 8`` (time out), ``—`` (none above the floor)."""
+    if got.status == "optimal":
+        return str(got.lower_bound)
+    return "—" if got.status == "infeasible" else f"≥ {got.lower_bound}"
+
+
 def rows_table(rows: list[dict[str, Any]], objective: str, full: Plan) -> Table:
     table = Table(title=f"single24 · remove one node · objective {objective} · full plan {full.max_flow_tok_s:.1f} "
                         f"tok/s max flow · moves = layers to load")
     cols = ["node", "GPU", "held", "incr. moves", "scratch moves raw / relab.", "÷ raw", "÷ relab.",
-            "incr. max flow", "scratch max flow", "flow ratio"]
+            "exact min moves", "min ÷ raw / relab.", "incr. max flow", "scratch max flow", "flow ratio"]
     cols += ["serving est. ratio"] if objective == "serving" else []
     cols += ["decision", "re-plan s", "≤25 % raw, ≥95 %, ≤10 s"]
     for col in cols:
         table.add_column(col, justify="left" if col in ("node", "GPU", "decision") else "right")
     for w in rows:
         cells = [w["node"], w["gpu"], str(w["held"]), str(w["moves"]), f"{w['raw']} / {w['relabelled']}",
-                 f"{w['ratio_raw']:.0%}", f"{w['ratio_relabelled']:.0%}", f"{w['flow']:.1f}",
+                 f"{w['ratio_raw']:.0%}", f"{w['ratio_relabelled']:.0%}", w["exact"],
+                 f"{w['ratio_exact_raw']:.0%} / {w['ratio_exact_relabelled']:.0%}",
+                 f"{w['flow']:.1f}",
                  f"{w['scratch_flow']:.1f}", f"{w['flow_ratio']:.1%}"]
         cells += [f"{w['serving_ratio']:.1%}"] if objective == "serving" else []
         cells += [w["decision"], f"{w['wall']:.1f}", "pass" if w["pass"] else "FAIL"]
@@ -136,7 +155,7 @@ def bench_planner(args: argparse.Namespace, objective: str) -> None:
         for node in nodes:
             rows.append(remove_one(cluster, profiles, full, node, args, objective, seed=r))
             w = rows[-1]
-            out.print(f"[dim]  {node}: {w['moves']} moves vs {w['raw']} / {w['relabelled']}, flow "
+            out.print(f"[dim]  {node}: {w['moves']} moves (exact min {w['exact']}) vs {w['raw']} / {w['relabelled']}, flow "
                       f"{w['flow_ratio']:.1%}, {w['wall']:.1f} s[/]")
         if r == 0:
             out.print(rows_table(rows, objective, full))
@@ -145,8 +164,15 @@ def bench_planner(args: argparse.Namespace, objective: str) -> None:
                       f"from-scratch plan); {sum(w['ratio_relabelled'] <= MOVES_TARGET for w in rows)}/{len(rows)} "
                       f"meet the moves target against the relabelled one; fallbacks: "
                       f"{sum(w['decision'] != 'incremental' for w in rows)}")
+            for key, name in (("ratio_exact_raw", "raw"), ("ratio_exact_relabelled", "relabelled")):
+                out_of_reach = [w["node"] for w in rows if w[key] > MOVES_TARGET and w["exact"] != "—"]  # a bound proves it too
+                out.print(f"out of reach (exact minimum > {MOVES_TARGET:.0%} of the {name} from-scratch moves): "
+                          f"{len(out_of_reach)}/{len(rows)} {', '.join(out_of_reach)}")
         log.record(r, "worst moves ratio (÷ raw from-scratch)", max(w["ratio_raw"] for w in rows), "×")
         log.record(r, "worst moves ratio (÷ relabelled from-scratch)", max(w["ratio_relabelled"] for w in rows), "×")
+        log.record(r, "worst exact-minimum ratio (÷ raw from-scratch)", max(w["ratio_exact_raw"] for w in rows), "×")
+        log.record(r, "worst exact-minimum ratio (÷ relabelled from-scratch)",
+                   max(w["ratio_exact_relabelled"] for w in rows), "×")
         log.record(r, "worst max-flow ratio", min(w["flow_ratio"] for w in rows), "×")
         log.record(r, "longest re-plan", max(w["wall"] for w in rows), "s")
         log.record(r, "nodes passing all", sum(w["pass"] for w in rows), "")
@@ -173,6 +199,7 @@ def main() -> int:
     ap.add_argument("--time-limit", type=float, default=TIME_TARGET_S, help="re-plan time limit, s (default 10)")
     ap.add_argument("--scratch-limit", type=float, default=None, help="from-scratch plan limit, s (default 30)")
     ap.add_argument("--full-limit", type=float, default=None, help="the full cluster's plan limit, s (default 60)")
+    ap.add_argument("--exact-limit", type=float, default=60.0, help="the exact minimum's time limit per node, s (default 60)")
     ap.add_argument("--quick", action="store_true", help="shorter limits (10 s from scratch, 20 s full; smoke run)")
     add_rounds_option(ap, 1, "a round is a sweep of every node; the planner is deterministic for a seed")
     args = ap.parse_args()

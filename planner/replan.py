@@ -11,25 +11,35 @@ load); the search maximises the objective (``current``'s unless told) minus that
    the thinnest layers, uncovered layers covered greedily or by a ripple along the chain;
 2. **plan from scratch** (``planner.api.make_plan``, :data:`SCRATCH_SHARE` of the time),
    relabelled among interchangeable nodes to keep layers where they are (``moves.relabel``);
-3. **objective search**: the local search (``planner.local_search.improve``) from the warm start
-   for the max flow (microseconds a move, whatever the objective), to learn what is within reach;
-4. **move search**: the same local search, its evaluator scoring ``objective - price * moved
+3. **fewest moves** (``planner.min_moves``, when the cluster is small enough: at most
+   :data:`EXACT_MAX_RANGES` node ranges, and in :data:`EXACT_SHARE` of the time): the exact fewest
+   layers moved that keep the max flow at ``fallback_below`` times the from-scratch plan's, and
+   among those the most flow, a covering MILP checked by the max flow; its placement joins the
+   starts of step 5 and its proven minimum is recorded. It finds what the local search's moves
+   cannot reach in one step: a node that gives up its range to fill the hole a leaver left while
+   the chain closes behind it (single24 less ``l4-14``: 9 layers against the search's 18). Under
+   ``max-flow``, when that placement has the from-scratch plan's max flow and that plan is proven
+   optimal, no placement scores more and steps 4 and 5 are skipped;
+4. **objective search** (when step 3 found no placement): the local search
+   (``planner.local_search.improve``) from the warm start for the max flow (microseconds a move,
+   whatever the objective), to learn what is within reach;
+5. **move search**: the same local search, its evaluator scoring ``objective - price * moved
    layers - SHORTFALL_PRICE * shortfall`` (``Evaluator.penalty``; ``price = move_cost * best
    objective of the starts``: with the default 0.002 a layer must buy 0.2 % of the objective;
    the shortfall is how far the objective is below the fallback floor, ``fallback_below`` times
    the from-scratch plan's, plus under ``max-flow`` each layer's coverage below it on average: a
    gradient towards the floor where the minimum alone has none) and with re-planning's moves (``anchor``: back to a node's current
-   range, boundary shifts, ejection chains), from every start — the warm start, step 3's best,
-   the relabelled plan from scratch, and under ``serving`` the same search run on the max flow
-   first — best start first, then restarts from the best;
-5. **fallback**: when the incremental plan's objective is below ``fallback_below`` (default
+   range, boundary shifts, ejection chains), from every start — the warm start, step 3's placement
+   or step 4's best, the relabelled plan from scratch, and under ``serving`` the same search
+   run on the max flow first — best start first, then restarts from the best;
+6. **fallback**: when the incremental plan's objective is below ``fallback_below`` (default
    0.95) times the from-scratch plan's, the from-scratch plan is the answer.
    ``fallback_below=0`` skips step 2 (no fallback); above 1 always falls back.
 
 The searches stop after :data:`STALL_CANDIDATES` candidates without a gain (a count, not
 seconds: deterministic) or at their share of ``time_limit_s``. The chosen plan's
 ``stats["replan"]`` records the change (removed, added, the moves per node, layers moved, the
-decision); ``helix plan --from -o`` writes it in the plan file (docs/planner.md).
+decision, step 3's proven fewest); ``helix plan --from -o`` writes it in the plan file (docs/planner.md).
 """
 
 from __future__ import annotations
@@ -48,6 +58,7 @@ from planner.budget import Deadline
 from planner.capacity import CapacityModel
 from planner.flows import balance
 from planner.local_search import Evaluator, Scored, improve
+from planner.min_moves import FewestMoves, fewest_moves, range_count
 from planner.moves import NodeMove, layers_moved, node_moves, relabel, renamed
 from planner.options import Objective
 from planner.repair import warm_start
@@ -57,6 +68,9 @@ STALL_CANDIDATES = 20000  # a search phase stops after trying this many candidat
 MOVE_RESTARTS = 3  # the move search starts again from its best this many times, with new seeds
 SEARCH_SHARE = 0.15  # of the time limit, at most, for the objective search (and serving's max-flow move search) ...
 SCRATCH_SHARE = 0.4  # ... and for the plan from scratch; the move search gets the rest
+EXACT_SHARE = 0.4  # ... and for the fewest-moves MILP (step 3), on clusters with at most EXACT_MAX_RANGES node ranges
+EXACT_MAX_RANGES = 20000  # single24: 11,117 (the MILP takes 1-4 s there on this project's 2-core box)
+EXACT_THREADS = 2
 FINISH_SHARE = 0.1  # kept for the final evaluation and balanced flows
 SHORTFALL_PRICE = 10.0  # the move search's price of a unit of objective below the fallback floor
 
@@ -100,6 +114,7 @@ class Replan:
     scratch_layers_moved: int | None = None
     values: dict[str, float] = field(default_factory=dict)  # the objective of each plan, by decision name
     wall_s: float = 0.0
+    fewest: FewestMoves | None = None  # step 3's proven fewest moves (None: not run)
 
 
 def without_nodes(cluster: ClusterSpec, nodes: Sequence[str]) -> ClusterSpec:
@@ -150,20 +165,16 @@ def replan(cluster: ClusterSpec, profiles: ProfileSet, current: Plan, options: R
     if options.fallback_below > 0 or uncovered:
         scratch = _from_scratch(cluster, profiles, cap, old, options, search.within(SCRATCH_SHARE * limit),
                                 required=bool(uncovered))
-    # the objective search, and under serving a first move search, run on the max flow: microseconds a move
-    flow_ev = ev if objective == Objective.MAX_FLOW else Evaluator(cap, Objective.MAX_FLOW.value,
-                                                                           partial_handoffs=options.partial_handoffs)
-    starts = [] if uncovered else [start, _search(flow_ev, start, search.within(SEARCH_SHARE * limit), options.seed,
-                                                  anchor=old).placement]
     values: dict[str, float] = {}
+    fewest = None
     if scratch is not None:
         values["from-scratch"] = ev.score(as_placement(scratch.placement)).key[0]
-        starts.append(as_placement(scratch.placement))
-    if flow_ev is not ev:
-        floor = options.fallback_below * (scratch.max_flow_tok_s if scratch is not None else 0.0)
-        starts.append(_move_search(flow_ev, old, starts, options, search.within(SEARCH_SHARE * limit),
-                                   floor=floor).placement)
-    found = _move_search(ev, old, starts, options, search, floor=options.fallback_below * values.get("from-scratch", 0.0))
+        fewest = _fewest(cap, old, scratch, options, search.within(EXACT_SHARE * limit))
+    if fewest is not None and fewest.placement is not None and _settles(fewest, scratch, objective):
+        found = ev.score(fewest.placement)  # the fewest moves at the best max flow there is: nothing scores more
+    else:
+        found = _searches(ev, old, None if uncovered else start, scratch, values.get("from-scratch", 0.0), fewest,
+                          options, search, limit)
     inc_plan = _finish(cluster, profiles, cap, found, options, deadline, t0)
     values["incremental"] = ev.score(found.placement).key[0]
     decision, reason = _decide(values, options.fallback_below)
@@ -175,6 +186,7 @@ def replan(cluster: ClusterSpec, profiles: ProfileSet, current: Plan, options: R
         bytes_moved=layers_moved(old, chosen.placement) * profiles.models[cluster.model].layer_weight_bytes,
         decision=decision, reason=reason, incremental=inc_plan, scratch=scratch,
         scratch_layers_moved=layers_moved(old, scratch.placement) if scratch is not None else None, values=values,
+        fewest=fewest,
     )
     out.wall_s = round(deadline.clock() - t0, 3)
     chosen.stats["replan"] = record(out)
@@ -188,6 +200,9 @@ def record(r: Replan) -> dict[str, Any]:
         "layers_moved": r.layers_moved, "bytes_moved": r.bytes_moved, "scratch_layers_moved": r.scratch_layers_moved,
         "values": {k: round(v, 3) for k, v in r.values.items()}, "wall_s": r.wall_s,
         "moves": [m.to_dict() for m in r.moves if m.change != "kept"],
+        **({"fewest": {"status": r.fewest.status, "lower_bound": r.fewest.lower_bound,
+                       "layers_moved": r.fewest.layers_moved, "wall_s": round(r.fewest.wall_s, 3)}}
+           if r.fewest is not None else {}),
     }
 
 
@@ -201,6 +216,45 @@ def _check_feasible(cap: CapacityModel, cluster: ClusterSpec, removed: list[str]
         f"{gone}the {len(cap.nodes)} remaining node(s) hold at most {held} of the {cap.num_layers} layers of "
         f"model {cluster.model!r} ({per}): the model cannot be served until nodes join"
     )
+
+
+def _fewest(cap: CapacityModel, old: Placement, scratch: Plan, options: ReplanOptions,
+            search: Deadline) -> FewestMoves | None:
+    """Step 3 of the module docstring (None: the cluster has too many ranges, or no floor to keep)."""
+    floor = options.fallback_below * scratch.max_flow_tok_s
+    if floor <= 0 or range_count(cap) > EXACT_MAX_RANGES or search.expired():
+        return None
+    return fewest_moves(cap, old, floor, partial_handoffs=options.partial_handoffs, deadline=search,
+                        threads=EXACT_THREADS, then_max_flow_s=search.remaining(), enough_tok_s=scratch.max_flow_tok_s)
+
+
+def _settles(fewest: FewestMoves, scratch: Plan | None, objective: Objective) -> bool:
+    """Whether step 3's placement scores best under the max flow: the fewest moves, at the max flow the
+    from-scratch plan proved optimal (searching on would find nothing better)."""
+    return (objective == Objective.MAX_FLOW and scratch is not None and scratch.status == "optimal"
+            and fewest.status == "optimal" and fewest.max_flow_tok_s is not None
+            and fewest.max_flow_tok_s >= scratch.max_flow_tok_s * (1 - 1e-9))
+
+
+def _searches(ev: Evaluator, old: Placement, start: Placement | None, scratch: Plan | None, scratch_value: float,
+              fewest: FewestMoves | None, options: ReplanOptions, search: Deadline, limit: float) -> Scored:
+    """Steps 4 and 5 of the module docstring from the warm start (None: it left layers uncovered)."""
+    # the objective search, and under serving a first move search, run on the max flow: microseconds a move
+    flow_ev = ev if ev.objective == Objective.MAX_FLOW.value else Evaluator(
+        ev.cap, Objective.MAX_FLOW.value, partial_handoffs=options.partial_handoffs)
+    exact = fewest.placement if fewest is not None else None
+    starts = [] if start is None else [start]
+    if start is not None and exact is None:  # step 3's placement, when there is one, is the better start
+        starts.append(_search(flow_ev, start, search.within(SEARCH_SHARE * limit), options.seed, anchor=old).placement)
+    if scratch is not None:
+        starts.append(as_placement(scratch.placement))
+    if exact is not None:
+        starts.append(exact)
+    floor = options.fallback_below * (scratch.max_flow_tok_s if scratch is not None else 0.0)
+    if flow_ev is not ev:
+        starts.append(_move_search(flow_ev, old, starts, options, search.within(SEARCH_SHARE * limit),
+                                   floor=floor).placement)
+    return _move_search(ev, old, starts, options, search, floor=options.fallback_below * scratch_value)
 
 
 def _move_search(ev: Evaluator, old: Placement, starts: list[Placement], options: ReplanOptions, search: Deadline,

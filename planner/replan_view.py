@@ -2,8 +2,8 @@
 
 :func:`print_moves` draws one row per node whose range changes (or that joins or leaves): its GPU,
 its range before and after, the layers it keeps, loads and drops; then the totals, the from-scratch
-plan's moves beside them, the two plans' objective and which one was chosen and why. The plan's own
-table follows it (``planner.commands.print_plan``).
+plan's moves and the proven fewest (``planner.min_moves``) beside them, the two plans' objective and
+which one was chosen and why. The plan's own table follows it (``planner.commands.print_plan``).
 """
 
 from __future__ import annotations
@@ -52,6 +52,9 @@ def print_moves(console: Console, r: Replan, gpu: dict[str, str]) -> None:
     line = f"[bold]{r.decision}[/] plan: {r.layers_moved} layers to load ({r.bytes_moved / 1e9:.1f} GB of weights)"
     if r.scratch_layers_moved is not None:
         line += f" (from scratch: {r.scratch_layers_moved}, relabelled to keep layers in place)"
+    if r.fewest is not None and (r.fewest.status == "optimal" or r.fewest.lower_bound > 0):
+        proven = "" if r.fewest.status == "optimal" else "at least "
+        line += f"; fewest possible above the fallback floor: {proven}{r.fewest.lower_bound}"
     console.print(line)
     values = ", ".join(f"{k} {v:.1f}" for k, v in r.values.items())
     console.print(f"objective ({r.plan.objective}): {values}; {r.reason}; re-planned in {r.wall_s:.1f} s")
