@@ -102,7 +102,7 @@ class Clients:
         rid = str(self.issued)
         self.issued += 1
         params = GenerationRequest(prompt_ids=[TOKEN] * spec.prompt_tokens, max_tokens=spec.output_tokens,
-                                   task=self.tasks.draw() if self.tasks is not None else "")
+                                   task=self.tasks.draw(now) if self.tasks is not None else "")
         self.timing[rid] = Timing(spec.arrival_s, spec.prompt_tokens)
         try:
             self.core.add_request(Request(rid, params, spec.arrival_s, NoText(), StopMatcher(())), now)

@@ -51,6 +51,25 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tasks", metavar="MIX",
                    help="fine-tuned tasks every request is drawn from evenly: N (N LoRA tasks) or TYPE:N,... (e.g. "
                         "lora:32,adapter:8); 0: the base model only; default: the cluster file's tasks (docs/pets.md)")
+    p.add_argument("--task-popularity", default="even", metavar="even|zipf:S",
+                   help="how requests pick their task: evenly, or Zipf with exponent S over the tasks (docs/simulator.md)")
+    p.add_argument("--popularity-shift-s", type=float, metavar="S",
+                   help="reshuffle the Zipf ranking of the tasks every S simulated seconds (default: never)")
+    p.add_argument("--task-placement", choices=["all", "spread"], default="all",
+                   help="nodes holding each task, as helix serve --task-placement: all, or one of each group "
+                        "holding the same layers (docs/pets.md)")
+    p.add_argument("--pet-balance", action="store_true",
+                   help="move tasks' PETs between nodes holding the same layers to balance their load, as helix serve does")
+    p.add_argument("--pet-balance-theta", type=float, default=0.9,
+                   help="rebalance while the least loaded replica's load is below this fraction of the most loaded's")
+    p.add_argument("--pet-balance-interval-s", type=float, nargs=2, default=[1.0, 60.0], metavar=("MIN", "MAX"),
+                   help="bounds of the adaptive interval between balancing rounds")
+    p.add_argument("--pet-balance-min-requests", type=int, default=32,
+                   help="judge the balance only once this many requests were counted since the last round")
+    p.add_argument("--pet-node-bytes", action="append", default=[], metavar="NODE=BYTES",
+                   help="the most PET bytes NODE may hold after a migration (repeatable; default: no limit)")
+    p.add_argument("--pet-load-gb-per-s", type=float, default=2.0,
+                   help="a node loads a migrated task's PET at this rate (GB/s; default 2)")
     p.add_argument("--membership", metavar="TRACE",
                    help="replay a membership trace (YAML: nodes killed, leaving and joining at times; docs/simulator.md): "
                         "the coordinator re-plans as helix serve does, and the results say what it cost")
@@ -68,10 +87,11 @@ def run_simulate(args: argparse.Namespace) -> int:
     from helix.profile import load_profiles_for
     from helix.spec import load_cluster
     from planner.api import load_for_evaluation
+    from router.commands import _balance_policy  # helix serve's --pet-balance options, read the same way
     from simulator.engine import SimConfig, simulate
     from simulator.membership_trace import load_membership_trace
     from simulator.results import LEGACY_MECHANISMS
-    from simulator.tasks import parse_task_mix
+    from simulator.tasks import parse_popularity, parse_task_mix
     from simulator.workload import load_trace
 
     if args.duration <= 0 or args.warmup < 0:
@@ -96,6 +116,9 @@ def run_simulate(args: argparse.Namespace) -> int:
                     prefill_chunk_tokens=args.chunk_tokens, flows=args.flows,
                     per_request_messages=args.per_request_messages, bucket_s=args.bucket_s,
                     task_mix=parse_task_mix(args.tasks) if args.tasks is not None else None,
+                    task_popularity=parse_popularity(args.task_popularity, args.popularity_shift_s),
+                    task_placement=args.task_placement, pet_balance=_balance_policy(args),
+                    pet_load_gb_per_s=args.pet_load_gb_per_s,
                     **(LEGACY_MECHANISMS if args.legacy_mechanisms else {}))  # type: ignore[arg-type]
     total = args.warmup + args.duration
     if args.json:
@@ -131,7 +154,33 @@ def run_simulate(args: argparse.Namespace) -> int:
     print_table(console, nt)
     if result.membership is not None:
         print_membership(console, result.membership, result.throughput_over_time, args.bucket_s)
+    if result.tasks is not None:
+        print_tasks(console, result.tasks, result.throughput_over_time, args.bucket_s)
     return 0
+
+
+def print_tasks(console: Console, report: dict[str, Any], timeline: list[tuple[float, float]], bucket_s: float) -> None:
+    """The tasks' placement and popularity, the PET moves made, throughput and balance (phi) over time."""
+    from rich.table import Table
+
+    from helix.console import print_table
+
+    moves = report["moves"]
+    console.print(f"tasks: {report['popularity']} popularity, {report['placement']} placement; PET migration "
+                  f"{'on' if report['pet_balance'] else 'off'}: {report['moves_done']} moves made "
+                  f"({len(moves)} asked) in {sum(r['judged'] for r in report['rounds'])} judged rounds", highlight=False)
+    for m in moves[:20]:
+        console.print(f"  {m['asked_s']:.1f} s: {m['task']} {m['src']} -> {m['dst']} ({m['requests']:.0f} requests; "
+                      f"copy {m['copy_s'] * 1000:.0f} ms): {m['outcome']}", highlight=False)
+    if len(moves) > 20:
+        console.print(f"  ... and {len(moves) - 20} more (--json lists them)")
+    phi = dict(report["phi_over_time"])
+    tt = Table(title=f"per {bucket_s:g} s: decode throughput and the worst replica group's balance phi")
+    for col in ("until s", "tok/s", "phi"):
+        tt.add_column(col, justify="right")
+    for t, tok_s in timeline:
+        tt.add_row(f"{t:g}", f"{tok_s:.1f}", f"{phi[t]:.2f}" if t in phi else "-")
+    print_table(console, tt)
 
 
 def print_membership(console: Console, report: dict[str, Any], timeline: list[tuple[float, float]],

@@ -49,6 +49,7 @@ from simulator.links import Links
 from simulator.membership import MembershipReplay
 from simulator.membership_trace import MembershipTrace
 from simulator.nodes import NodeInput, Observe, SimNode, build_nodes
+from simulator.pet_migration import TaskBalance
 from simulator.results import SimConfig, SimResult, percentiles
 from simulator.routing import judge_router, make_router
 from simulator.tasks import TaskMix
@@ -78,7 +79,7 @@ class Simulation:
         self.tok_bytes = model.token_bytes
         self.coord = cluster.coordinator.id
         self.placement = dict(plan.placement)
-        self.tasks = tasks = TaskMix.resolve(config.task_mix, cluster, model, config.seed)
+        self.tasks = tasks = TaskMix.resolve(config.task_mix, cluster, model, config.seed, config.task_popularity)
         self.nodes: dict[str, SimNode] = {}
         self.retired: dict[str, SimNode] = {}  # nodes that died or left (membership traces), for the results
         base = self.base_router(plan, cluster)
@@ -102,6 +103,7 @@ class Simulation:
         self.seq = 0
         self.now = 0.0
         self.replay = MembershipReplay(self, cluster, plan, membership, joined) if membership is not None else None
+        self.balance = TaskBalance.build(self, tasks, model, config)  # tasks placed, moved or skewed
 
     def base_router(self, plan: Plan, cluster: ClusterSpec) -> Router:
         """IWRR with KV masking over ``plan``'s flows (or the judge's, ``flows="judge"``)."""
@@ -255,6 +257,8 @@ class Simulation:
             self._push(cfg.kv_report_interval_s, _REPORT, None)
         if self.replay is not None:
             self.replay.start(end)
+        if self.balance is not None:
+            self.balance.start(end)
         heap, pop, nodes, clients = self.heap, heapq.heappop, self.nodes, self.clients
         events = 0
         drain = cfg.num_requests is not None
@@ -318,6 +322,7 @@ class Simulation:
                                   if (i + 1) * cfg.bucket_s <= min(t1, self.now) + 1e-9],
             events=events,
             membership=self.replay.report(self.now) if self.replay is not None else None,
+            tasks=self.balance.report(self.now) if self.balance is not None else None,
             extra={"mean_inflight": float(np.mean(c.inflight_samples)) if c.inflight_samples else math.nan,
                    "failed_requests": float(c.failed),
                    **{f"prompt_latency_from_admission_{k}_s": v for k, v in percentiles(c.prompt_lat_admitted).items()}},

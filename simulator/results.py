@@ -10,7 +10,10 @@ import numpy as np
 
 from helix.errors import ConfigError
 from helix.perf_model import DECODE_CONTEXT_PER_SLOT, HOST_COPY_GB_PER_S, PROMPT_SLOT_TOKENS
+from router.pet_balancer import BalancePolicy
+from router.task_placement import PlacementPolicy
 from simulator.routing import FLOWS
+from simulator.tasks import Popularity
 from simulator.workload import RequestSpec
 
 MODES = ("offline", "online")
@@ -59,6 +62,13 @@ class SimConfig:
     # fine-tuned tasks (simulator.tasks): PET type -> tasks every request is drawn from evenly (e.g. {"lora": 64});
     # None: the cluster file's tasks; {}: every request on the base model
     task_mix: dict[str, int] | None = None
+    # which task each request runs (simulator.tasks.Popularity: even, or Zipf reshuffled every shift_s), which nodes
+    # hold each task (helix serve --task-placement) and PET migration (helix serve --pet-balance's policy; None: off),
+    # its PET copies loaded at pet_load_gb_per_s (simulator.pet_migration)
+    task_popularity: Popularity = field(default_factory=Popularity)
+    task_placement: str = "all"
+    pet_balance: BalancePolicy | None = None
+    pet_load_gb_per_s: float = 2.0
 
     def check(self) -> None:
         """ConfigError naming the first setting out of range."""
@@ -77,6 +87,10 @@ class SimConfig:
         if self.decode_context_per_slot is not None and self.decode_context_per_slot <= 0:
             raise ConfigError(f"decode_context_per_slot must be positive (or None: off), got "
                               f"{self.decode_context_per_slot}", field="decode_context_per_slot")  # fmt: skip
+        if self.task_placement not in {p.value for p in PlacementPolicy}:
+            raise ConfigError(f"unknown task placement {self.task_placement!r} (all or spread)", field="--task-placement")
+        if not self.pet_load_gb_per_s > 0:
+            raise ConfigError(f"must be positive, got {self.pet_load_gb_per_s}", field="--pet-load-gb-per-s")
         if any(rate <= 0 for rate in self.host_copy_gb_per_s):
             raise ConfigError(f"host_copy_gb_per_s rates must be positive, got {self.host_copy_gb_per_s}",
                               field="host_copy_gb_per_s")  # fmt: skip
@@ -107,6 +121,7 @@ class SimResult:
     events: int
     extra: dict[str, float] = field(default_factory=dict)
     membership: dict[str, Any] | None = None  # a membership trace's replay (simulator.membership.MembershipReplay.report)
+    tasks: dict[str, Any] | None = None  # tasks placed, moved or skewed (simulator.pet_migration.TaskBalance.report)
 
     def to_json(self) -> dict:
         return {
@@ -131,6 +146,7 @@ class SimResult:
             "events": self.events,
             **self.extra,
             **({"membership": self.membership} if self.membership is not None else {}),
+            **({"tasks": self.tasks} if self.tasks is not None else {}),
         }
 
 
