@@ -32,6 +32,8 @@ CANCEL (to free KV), the last stage's too unless it finished the request itself.
 Live membership: an agent that says LEAVING (or refuses ``leaving``) is masked at once
 (``Router.draining``); an agent is routed through once it holds the plan's layers (its WELCOME and
 LAYERS, :mod:`router.holdings`); :meth:`CoordinatorCore.set_router` switches to a re-plan's router.
+With ``wait_for_replan`` (re-planning on), a request left with no route waits for that switch
+within the admission timeout, until :meth:`CoordinatorCore.set_unavailable` says it will not come.
 """
 
 from __future__ import annotations
