@@ -239,6 +239,8 @@ class TaskRegistry:
         self.send(node, msg)
 
     async def _ask(self, nodes: list[str], msg: wire.LoadTask | wire.UnloadTask) -> list[wire.TaskStatus]:
+        if not nodes:  # every agent is gone: nothing to ask (asyncio.wait refuses an empty set)
+            return []
         op = "load" if isinstance(msg, wire.LoadTask) else "unload"
         key = (msg.task_id, op)
         loop = asyncio.get_running_loop()
