@@ -71,7 +71,8 @@ SCRATCH_SHARE = 0.4  # ... and for the plan from scratch; the move search gets t
 EXACT_SHARE = 0.4  # ... and for the fewest-moves MILP (step 3), on clusters with at most EXACT_MAX_RANGES node ranges
 EXACT_MAX_RANGES = 20000  # single24: 11,117 (the MILP takes 1-4 s there on this project's 2-core box)
 EXACT_THREADS = 2
-FINISH_SHARE = 0.1  # kept for the final evaluation and balanced flows
+FINISH_SHARE = 0.1  # kept for the final evaluation and balanced flows ...
+SERVING_FINISH_SHARE = 0.15  # ... under serving (an evaluation in flight when the search's time is up: 0.05-1 s)
 SHORTFALL_PRICE = 10.0  # the move search's price of a unit of objective below the fallback floor
 
 
@@ -157,7 +158,7 @@ def replan(cluster: ClusterSpec, profiles: ProfileSet, current: Plan, options: R
     added = [n for n in cluster.node_ids if n not in old]
     cap = CapacityModel.build(cluster, profiles)
     _check_feasible(cap, cluster, removed)
-    search = deadline.within(limit * (1 - FINISH_SHARE))
+    search = deadline.within(limit * (1 - (FINISH_SHARE if objective == Objective.MAX_FLOW else SERVING_FINISH_SHARE)))
     ev = Evaluator(cap, objective.value, partial_handoffs=options.partial_handoffs,
                    serving_model=ServingModel(cap) if objective == Objective.SERVING else None, deadline=deadline)
     start, uncovered = warm_start(cap, old)
@@ -259,7 +260,7 @@ def _searches(ev: Evaluator, old: Placement, start: Placement | None, scratch: P
 
 def _move_search(ev: Evaluator, old: Placement, starts: list[Placement], options: ReplanOptions, search: Deadline,
                  *, floor: float) -> Scored:
-    """Step 4 of the module docstring: the best placement for the objective less the moves' price and the
+    """Step 5 of the module docstring: the best placement for the objective less the moves' price and the
     shortfall below ``floor``, searched from every start (the time left shared among them)."""
     best = max(ev.score(st).key[0] for st in starts)
     price = options.move_cost * max(abs(best), 1e-9)
@@ -274,6 +275,10 @@ def _move_search(ev: Evaluator, old: Placement, starts: list[Placement], options
 
     priced = Evaluator(ev.cap, ev.objective, partial_handoffs=ev.partial_handoffs, serving_model=ev.serving_model,
                        deadline=ev.deadline, penalty=cost)
+    for st in starts:  # the starts are scored already (a serving evaluation is slow): priced, not evaluated again
+        got_st = ev.score(st)
+        priced.cache[frozenset(st.items())] = replace(
+            got_st, key=(round(got_st.key[0] - cost(st, got_st.key[0]), 6), *got_st.key[1:]), flows=None)
     ranked = sorted(starts, key=lambda st: priced.score(st).key, reverse=True)  # best first: a slow objective
     runs = len(ranked) + MOVE_RESTARTS                                        # may have time for few
     got = [_search(priced, st, search.share(1.0 / (runs - i)), options.seed + 1 + i, anchor=old)
