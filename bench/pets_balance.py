@@ -1,6 +1,6 @@
 """PetS's scheduling on Helix (issue 19): which requests share a step on one node, which node runs a task.
 
-    python bench/pets_balance.py [--only batching|migration ...] [--rounds N]
+    python bench/pets_balance.py [--only batching|migration|sim-migration ...] [--rounds N]
 
 Sections (``--only``, repeatable; default: all; each is a ``Section`` in ``SECTIONS``, so more plug in):
 
@@ -20,6 +20,7 @@ Sections (``--only``, repeatable; default: all; each is a ``Section`` in ``SECTI
   fixed-size batching). The greedy tokens of every request are checked to be the same under every policy.
 * **migration** (``bench/pets_migration.py``; PetS section 3.4): PET migration vs a static task
   assignment on a live cluster.
+* **sim-migration** (``bench/pets_sim_migration.py``): the same comparison at scale, in the simulator.
 """
 
 from __future__ import annotations
@@ -214,6 +215,9 @@ SECTIONS: dict[str, Section] = {
     "migration": Section(lambda p: _migration().add_migration_arguments(p.add_argument_group("migration")),
                          lambda a: _migration().bench_migration(a), 1,
                          "a round runs both arms, each on a fresh cluster (about 8 minutes)"),
+    "sim-migration": Section(lambda p: __import__("pets_sim_migration").add_sim_migration_arguments(p.add_argument_group("sim-migration")),
+                             lambda a: __import__("pets_sim_migration").bench_sim_migration(a), 3,
+                             "a round is three simulated runs of a 24-node cluster (bench/pets_sim_migration.py)"),
 }
 
 

@@ -70,6 +70,9 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
                    help="the most PET bytes NODE may hold after a migration (repeatable; default: no limit)")
     p.add_argument("--pet-load-gb-per-s", type=float, default=2.0,
                    help="a node loads a migrated task's PET at this rate (GB/s; default 2)")
+    p.add_argument("--pet-overlap-drains", action="store_true",
+                   help="start the next PET move (and round) once a task is switched, not once its source drained "
+                        "(helix serve waits for the drain)")
     p.add_argument("--membership", metavar="TRACE",
                    help="replay a membership trace (YAML: nodes killed, leaving and joining at times; docs/simulator.md): "
                         "the coordinator re-plans as helix serve does, and the results say what it cost")
@@ -118,7 +121,7 @@ def run_simulate(args: argparse.Namespace) -> int:
                     task_mix=parse_task_mix(args.tasks) if args.tasks is not None else None,
                     task_popularity=parse_popularity(args.task_popularity, args.popularity_shift_s),
                     task_placement=args.task_placement, pet_balance=_balance_policy(args),
-                    pet_load_gb_per_s=args.pet_load_gb_per_s,
+                    pet_load_gb_per_s=args.pet_load_gb_per_s, pet_overlap_drains=args.pet_overlap_drains,
                     **(LEGACY_MECHANISMS if args.legacy_mechanisms else {}))  # type: ignore[arg-type]
     total = args.warmup + args.duration
     if args.json:

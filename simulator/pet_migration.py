@@ -19,7 +19,10 @@ asyncio and the task registry):
 * **a move**, one after the other: *copy* (the target loads the PET for its layers, :func:`pet_layer_bytes`
   per layer at ``load_gb_per_s``, while it serves), *switch* (between two core steps the task's holders
   change; undone when the task would have no route), *drain* (requests in flight on the source finish
-  there: polled every :data:`DRAIN_POLL_S`), *free*.
+  there: polled every :data:`DRAIN_POLL_S`), *free*. As live, the next move starts once the source is freed
+  and the next round once the last move is; ``SimConfig.pet_overlap_drains`` (``--pet-overlap-drains``, not
+  what ``helix serve`` does) starts them once the task is switched, the drains going on meanwhile: a move of
+  a task whose requests generate for minutes then no longer holds the balance up for minutes.
 
 :meth:`TaskBalance.report` gives the moves, the rounds and, per ``bucket_s``, the balance ``phi`` of the
 worst replica group (its least-counted node's requests over its most-counted's) whether or not PETs move.
@@ -123,6 +126,7 @@ class TaskBalance:
         self.sim, self.tasks, self.model = sim, tasks, model
         self.policy = config.pet_balance
         self.load_gb_per_s = config.pet_load_gb_per_s
+        self.overlap_drains = config.pet_overlap_drains
         self.counter = TaskCounter(sim.core.observer, config.bucket_s)
         sim.core.observer = self.counter
         self.layer_bytes = {t: pet_layer_bytes(pet, model) for t, pet in tasks.pet_of.items()}
@@ -212,14 +216,17 @@ class TaskBalance:
             return
         record.switched_s, record.outcome = sim.now, "draining"
         sim.to_coordinator([])  # the task's waiting requests may start on the target now
-        self._drain(move, record)
+        self._drain(move, record, then_next=not self.overlap_drains)
+        if self.overlap_drains:
+            self._next()
 
-    def _drain(self, move: Move, record: MoveRecord) -> None:
+    def _drain(self, move: Move, record: MoveRecord, then_next: bool) -> None:
         if self.sim.core.router.in_flight(move.task, move.src):
-            self.sim.at(self.sim.now + DRAIN_POLL_S, functools.partial(self._drain, move, record))
+            self.sim.at(self.sim.now + DRAIN_POLL_S, functools.partial(self._drain, move, record, then_next))
             return
         record.freed_s, record.outcome = self.sim.now, "moved"
-        self._next()
+        if then_next:
+            self._next()
 
     # -- results ------------------------------------------------------------------------------------
 
