@@ -221,7 +221,13 @@ class TaskBalance:
             self._next()
 
     def _drain(self, move: Move, record: MoveRecord, then_next: bool) -> None:
-        if self.sim.core.router.in_flight(move.task, move.src):
+        router = self.sim.core.router
+        if router.task_nodes.holds(move.task, move.src):  # moved back meanwhile (drains overlapped): nothing to free
+            record.outcome = "moved, then back before the source drained"
+            if then_next:
+                self._next()
+            return
+        if router.in_flight(move.task, move.src):
             self.sim.at(self.sim.now + DRAIN_POLL_S, functools.partial(self._drain, move, record, then_next))
             return
         record.freed_s, record.outcome = self.sim.now, "moved"
@@ -247,7 +253,7 @@ class TaskBalance:
             "popularity": self.tasks.popularity.describe(),
             "pet_balance": self.policy is not None,
             "moves": [asdict(m) for m in self.moves],
-            "moves_done": sum(m.outcome == "moved" for m in self.moves),
+            "moves_done": sum(m.switched_s is not None for m in self.moves),  # routing switched to the target
             "rounds": self.rounds,
             "phi_over_time": [(end, phi) for end, phi in self.balance_over_time() if end <= now + t],
             "holders": {task: sorted(nodes) for task, nodes in sorted(self.sim.core.router.task_nodes.restricted().items())},

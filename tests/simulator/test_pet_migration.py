@@ -159,3 +159,14 @@ def test_task_options_without_tasks_are_refused(flag: list[str]) -> None:
     assert err.value.field == flag[0] and "--tasks" in str(err.value)
     with pytest.raises(ConfigError, match="all or spread"):
         SimConfig(task_placement="some").check()
+
+
+
+def test_overlapped_drains_move_as_well() -> None:
+    cluster, profiles, plan = _replicas()
+    static = simulate(cluster, profiles, plan, SimConfig(**SKEW))  # type: ignore[arg-type]
+    cfg = SimConfig(**SKEW, pet_balance=POLICY, pet_overlap_drains=True)  # type: ignore[arg-type]
+    overlapped = simulate(cluster, profiles, plan, cfg)
+    assert overlapped.tasks is not None and overlapped.tasks["moves_done"] >= 1
+    assert all(m["switched_s"] is not None for m in overlapped.tasks["moves"])
+    assert overlapped.decode_tok_s > 1.05 * static.decode_tok_s
