@@ -31,12 +31,13 @@ keeps a task's waiting requests together: one mini-batch per task, cut to the fr
 concave (a decode step of 32 requests costs 2.8× one of 1), so PetS's α program makes the largest
 macro-batch the step allows: admission fills every free slot. (Leaving a slot free for a cheaper
 mini-batch later only defers the request: run alone or later it still pays its task's β, and the
-run takes more steps; the cost model priced 256-1,024 requests over 128 tasks 0-4 % slower so.)
+run takes more steps: the cost model priced 48 requests over 16 tasks 7 % slower so, and 256 to
+1,024 over 128 tasks no faster.)
 
 **Starvation bound.** A request is *passed over* in a step when it could have joined and did not:
-ready and not run, or waiting while slots were free and not admitted. Once passed over
-``max_passed_over_steps`` steps running it is *forced*: admitted before any other (oldest first)
-and run in every step it is ready. So no request is passed over more than that many steps, unless
+ready and not run, or among the waiting requests FCFS would have admitted into the free slots and
+not admitted. Once passed over ``max_passed_over_steps`` steps since it last joined one, it is
+*forced*: admitted before any other (oldest first) and run in every step it is ready. So no request is passed over more than that many steps, unless
 more forced requests than a step holds wait at once (they then go oldest first).
 
 **The cost models** (:class:`StepCostModel`) come from the node's profile (``helix profile``): α from

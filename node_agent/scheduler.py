@@ -76,7 +76,7 @@ class SequenceState:
     order: int = 0  # when it was admitted, among this stage's admissions (running requests are served in it)
     task: str | None = None  # the fine-tuned task it runs (None: the base model) ...
     pet_type: str | None = None  # ... and its PET type (what the batching policy prices)
-    passed_over: int = 0  # steps in a row it could have joined and did not (node_agent.batching)
+    passed_over: int = 0  # steps it could have joined and did not, since it last did (node_agent.batching)
 
     @property
     def in_prefill(self) -> bool:
