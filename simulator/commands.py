@@ -104,6 +104,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     for flag, value in (("--chunk-tokens", args.chunk_tokens), ("--host-cores", args.host_cores)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} must be at least 1, got {value}", field=flag)
+    popularity, balance = parse_popularity(args.task_popularity, args.popularity_shift_s), _balance_policy(args)
     cluster = load_cluster(args.cluster)
     profiles = load_profiles_for(cluster)
     plan, warnings = load_for_evaluation(args.plan, cluster, profiles)
@@ -119,8 +120,7 @@ def run_simulate(args: argparse.Namespace) -> int:
                     prefill_chunk_tokens=args.chunk_tokens, flows=args.flows,
                     per_request_messages=args.per_request_messages, bucket_s=args.bucket_s,
                     task_mix=parse_task_mix(args.tasks) if args.tasks is not None else None,
-                    task_popularity=parse_popularity(args.task_popularity, args.popularity_shift_s),
-                    task_placement=args.task_placement, pet_balance=_balance_policy(args),
+                    task_popularity=popularity, task_placement=args.task_placement, pet_balance=balance,
                     pet_load_gb_per_s=args.pet_load_gb_per_s, pet_overlap_drains=args.pet_overlap_drains,
                     **(LEGACY_MECHANISMS if args.legacy_mechanisms else {}))  # type: ignore[arg-type]
     total = args.warmup + args.duration
