@@ -28,7 +28,10 @@ load); the search maximises the objective (``current``'s unless told) minus that
    objective of the starts``: with the default 0.002 a layer must buy 0.2 % of the objective;
    the shortfall is how far the objective is below the fallback floor, ``fallback_below`` times
    the from-scratch plan's, plus under ``max-flow`` each layer's coverage below it on average: a
-   gradient towards the floor where the minimum alone has none) and with re-planning's moves (``anchor``: back to a node's current
+   gradient towards the floor where the minimum alone has none; under ``serving`` also how far the
+   max flow is below ``fallback_below`` times the larger of the from-scratch plan's and step 3's,
+   as a share of the floor: plans of about the same serving estimate differ by up to 30 % in max
+   flow, and the max flow is what a re-plan is judged by) and with re-planning's moves (``anchor``: back to a node's current
    range, boundary shifts, ejection chains), from every start — the warm start, step 3's placement
    or step 4's best, the relabelled plan from scratch, and under ``serving`` the same search
    run on the max flow first — best start first, then restarts from the best;
@@ -255,13 +258,17 @@ def _searches(ev: Evaluator, old: Placement, start: Placement | None, scratch: P
     if flow_ev is not ev:
         starts.append(_move_search(flow_ev, old, starts, options, search.within(SEARCH_SHARE * limit),
                                    floor=floor).placement)
-    return _move_search(ev, old, starts, options, search, floor=options.fallback_below * scratch_value)
+    if flow_ev is not ev and fewest is not None and fewest.max_flow_tok_s is not None:
+        floor = max(floor, options.fallback_below * fewest.max_flow_tok_s)  # a max flow within reach at few moves
+    return _move_search(ev, old, starts, options, search, floor=options.fallback_below * scratch_value,
+                        flow_floor=floor if flow_ev is not ev else 0.0)
 
 
 def _move_search(ev: Evaluator, old: Placement, starts: list[Placement], options: ReplanOptions, search: Deadline,
-                 *, floor: float) -> Scored:
+                 *, floor: float, flow_floor: float = 0.0) -> Scored:
     """Step 5 of the module docstring: the best placement for the objective less the moves' price and the
-    shortfall below ``floor``, searched from every start (the time left shared among them)."""
+    shortfall below ``floor`` (under ``serving`` also the max flow's below ``flow_floor``, as a share of
+    ``floor``), searched from every start (the time left shared among them)."""
     best = max(ev.score(st).key[0] for st in starts)
     price = options.move_cost * max(abs(best), 1e-9)
 
@@ -271,6 +278,8 @@ def _move_search(ev: Evaluator, old: Placement, starts: list[Placement], options
         short = max(0.0, floor - value)
         if flow and short > 0:  # and each layer's own shortfall: a gradient where the minimum alone has none
             short += sum(max(0.0, floor - c) for c in ev.cap.coverage(pl)) / ev.cap.num_layers
+        if flow_floor > 0:  # serving: the max flow keeps its floor too (plans of equal estimate differ in it)
+            short += max(0.0, 1.0 - ev.exact_max_flow(pl) / flow_floor) * abs(floor)
         return price * layers_moved(old, pl) + SHORTFALL_PRICE * short
 
     priced = Evaluator(ev.cap, ev.objective, partial_handoffs=ev.partial_handoffs, serving_model=ev.serving_model,
