@@ -69,7 +69,7 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pet-node-bytes", action="append", default=[], metavar="NODE=BYTES",
                    help="the most PET bytes NODE may hold after a migration (repeatable; default: no limit)")
     p.add_argument("--pet-load-gb-per-s", type=float, default=2.0,
-                   help="a node loads a migrated task's PET at this rate (GB/s; default 2)")
+                   help="a node loads a migrated task's PET at this rate, GB/s (default: %(default)s)")
     p.add_argument("--pet-overlap-drains", action="store_true",
                    help="start the next PET move (and round) once a task is switched, not once its source drained "
                         "(helix serve waits for the drain)")

@@ -90,11 +90,16 @@ def test_pets_migrate_under_streaming_load_and_every_answer_is_its_tasks_own(
     for thread in threads:
         thread.start()
     try:
-        cluster.wait_until(lambda: migrator.migrations >= 1 or bool(errors), 60, "a PET to move off cpu-1")
-        moved = [t for t in ("hot-a", "hot-b") if placement.holders(t) == {"cpu-0", "cpu-2"}]
-        assert len(moved) == 1, {t: placement.holders(t) for t in TASKS}
-        assert "cpu-1" not in cluster.coordinator.tasks.tasks[moved[0]].nbytes  # freed on the source
-        popular[:] = ["cool-c", "cool-d"]  # the popularity shifts to cpu-2's tasks (and the moved one)
+        cluster.wait_until(lambda: migrator.migrations >= 1 or bool(errors), 60, "a PET move between replicas")
+        # which task moves first depends on the first window's counts (the balancer's choice, not this
+        # test's subject): usually a hot one off cpu-1
+        moved = [t for t in TASKS if placement.holders(t) != holders[t]]
+        assert moved, {t: placement.holders(t) for t in TASKS}
+        for task in moved:
+            (source,) = holders[task] - (placement.holders(task) or frozenset())
+            assert source not in cluster.coordinator.tasks.tasks[task].nbytes  # freed on the source
+        busiest = max(("cpu-1", "cpu-2"), key=lambda n: sum(placement.holds(t, n) for t in TASKS))
+        popular[:] = sorted(t for t in TASKS if placement.holds(t, busiest))[:2]  # the load shifts onto it
         cluster.wait_until(lambda: migrator.migrations >= 2 or bool(errors), 60, "a second PET move")
         served = len(done)
         cluster.wait_until(lambda: len(done) >= served + 6 or bool(errors), 60, "requests after the moves")
