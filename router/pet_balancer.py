@@ -4,7 +4,8 @@ Nodes holding the same layers (a *replica group*, :func:`router.task_placement.r
 are interchangeable for a request, except that a request for a task runs only on the nodes
 holding its PET (:class:`router.task_placement.TaskPlacement`). When tasks' popularity is skewed,
 a node holding the popular ones is overloaded while its replica idles. The coordinator counts each
-task's requests per node over a window (:class:`LoadView`); :class:`PetBalancer` then, per replica
+task's requests per node over a window (:class:`LoadView`; counted at each attempt's first token by
+:class:`TaskLoadObserver`, in ``helix serve`` and in the simulator alike); :class:`PetBalancer` then, per replica
 group:
 
 * computes each node's load ``L`` (requests counted on it over the window, divided by its relative
@@ -35,9 +36,11 @@ out the moves (:mod:`router.pet_migration`).
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from router.core_interfaces import CoreObserver
+from router.request import Request
 from router.task_placement import replica_groups
 
 
@@ -217,3 +220,27 @@ class PetBalancer:
         self.interval_s = next_interval(self.interval_s, phi, policy)
         self.next_s = now + self.interval_s
         return Round(phi, moves, self.interval_s, judged)
+
+
+class TaskLoadObserver:
+    """The core's observer, plus a count of each attempt per (task, node) at its first token."""
+
+    def __init__(self, inner: CoreObserver, count: Callable[[str, Sequence[str], float], None]) -> None:
+        self.inner, self.count = inner, count
+
+    def admitted(self, task: str, prompt_tokens: int) -> None:
+        self.inner.admitted(task, prompt_tokens)
+
+    def rejected(self, reason: str) -> None:
+        self.inner.rejected(reason)
+
+    def token(self, request: Request, edges: tuple[tuple[str, str], ...], moved: int, now: float) -> None:
+        if request.attempt_tokens == 0 and request.pipeline is not None:
+            self.count(request.params.task, request.pipeline.nodes, now)
+        self.inner.token(request, edges, moved, now)
+
+    def rerouted(self) -> None:
+        self.inner.rerouted()
+
+    def finished(self, request: Request, now: float) -> None:
+        self.inner.finished(request, now)

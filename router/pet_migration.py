@@ -31,44 +31,18 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 from router.core import CoordinatorCore
-from router.core_interfaces import CoreObserver
 from router.driver import CoreDriver
-from router.pet_balancer import BalancePolicy, LoadView, Move, PetBalancer, Round
-from router.request import Request
+from router.pet_balancer import BalancePolicy, LoadView, Move, PetBalancer, Round, TaskLoadObserver
 from router.tasks import TaskRegistry, TaskState
 
 log = logging.getLogger(__name__)
 
 DRAIN_POLL_S = 0.05  # how often a move looks whether the source's requests of the task are over
 DRAIN_LIMIT_S = 900.0  # a source still running the task's requests after this keeps the PET (logged)
-
-
-class TaskLoadObserver:
-    """The core's observer, plus a count of each attempt per (task, node) at its first token."""
-
-    def __init__(self, inner: CoreObserver, count: Callable[[str, Sequence[str]], None]) -> None:
-        self.inner, self.count = inner, count
-
-    def admitted(self, task: str, prompt_tokens: int) -> None:
-        self.inner.admitted(task, prompt_tokens)
-
-    def rejected(self, reason: str) -> None:
-        self.inner.rejected(reason)
-
-    def token(self, request: Request, edges: tuple[tuple[str, str], ...], moved: int, now: float) -> None:
-        if request.attempt_tokens == 0 and request.pipeline is not None:
-            self.count(request.params.task, request.pipeline.nodes)
-        self.inner.token(request, edges, moved, now)
-
-    def rerouted(self) -> None:
-        self.inner.rerouted()
-
-    def finished(self, request: Request, now: float) -> None:
-        self.inner.finished(request, now)
 
 
 class Serving(Protocol):
@@ -92,7 +66,7 @@ class PetMigrator:
         core = serving.driver.core
         core.observer = TaskLoadObserver(core.observer, self.count)
 
-    def count(self, task: str, nodes: Sequence[str]) -> None:
+    def count(self, task: str, nodes: Sequence[str], now: float = 0.0) -> None:
         with self._lock:
             for node in nodes:
                 key = (task, node)

@@ -31,6 +31,7 @@ worst replica group (its least-counted node's requests over its most-counted's) 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -38,10 +39,8 @@ from helix.errors import ConfigError
 from helix.profile import ModelProfile
 from helix.task_memory import SPARSE_ENTRY_BYTES
 from helix.tasks import MAX_DIFF_DENSITY, MAX_MASK_COMPLEMENT_DENSITY
-from router.core_interfaces import CoreObserver
-from router.pet_balancer import LoadView, Move, PetBalancer
+from router.pet_balancer import LoadView, Move, PetBalancer, TaskLoadObserver
 from router.policy import Router
-from router.request import Request
 from router.task_placement import PlacementPolicy, replica_groups
 from simulator.results import SimConfig
 from simulator.tasks import TaskMix
@@ -72,36 +71,23 @@ def pet_layer_bytes(pet: str, model: ModelProfile) -> float:
 
 
 class TaskCounter:
-    """The core's observer, plus each attempt counted per (task, node) at its first token: for the balancer's
-    window and per ``bucket_s`` (the balance over time)."""
+    """Each attempt counted per (task, node) at its first token, as ``helix serve`` counts them
+    (:class:`router.pet_migration.TaskLoadObserver`): for the balancer's window and per ``bucket_s``
+    (the balance over time)."""
 
-    def __init__(self, inner: CoreObserver, bucket_s: float) -> None:
-        self.inner, self.bucket_s = inner, bucket_s
+    def __init__(self, bucket_s: float) -> None:
+        self.bucket_s = bucket_s
         self.window: dict[tuple[str, str], float] = {}
         self.buckets: list[dict[str, int]] = []  # bucket -> node -> requests counted there
 
-    def admitted(self, task: str, prompt_tokens: int) -> None:
-        self.inner.admitted(task, prompt_tokens)
-
-    def rejected(self, reason: str) -> None:
-        self.inner.rejected(reason)
-
-    def token(self, request: Request, edges: tuple[tuple[str, str], ...], moved: int, now: float) -> None:
-        if request.attempt_tokens == 0 and request.pipeline is not None:
-            b = int(now / self.bucket_s)
-            while len(self.buckets) <= b:
-                self.buckets.append({})
-            bucket, task = self.buckets[b], request.params.task
-            for node in request.pipeline.nodes:
-                self.window[(task, node)] = self.window.get((task, node), 0.0) + 1.0
-                bucket[node] = bucket.get(node, 0) + 1
-        self.inner.token(request, edges, moved, now)
-
-    def rerouted(self) -> None:
-        self.inner.rerouted()
-
-    def finished(self, request: Request, now: float) -> None:
-        self.inner.finished(request, now)
+    def count(self, task: str, nodes: Sequence[str], now: float) -> None:
+        b = int(now / self.bucket_s)
+        while len(self.buckets) <= b:
+            self.buckets.append({})
+        bucket = self.buckets[b]
+        for node in nodes:
+            self.window[(task, node)] = self.window.get((task, node), 0.0) + 1.0
+            bucket[node] = bucket.get(node, 0) + 1
 
 
 @dataclass(slots=True)
@@ -127,8 +113,8 @@ class TaskBalance:
         self.policy = config.pet_balance
         self.load_gb_per_s = config.pet_load_gb_per_s
         self.overlap_drains = config.pet_overlap_drains
-        self.counter = TaskCounter(sim.core.observer, config.bucket_s)
-        sim.core.observer = self.counter
+        self.counter = TaskCounter(config.bucket_s)
+        sim.core.observer = TaskLoadObserver(sim.core.observer, self.counter.count)
         self.layer_bytes = {t: pet_layer_bytes(pet, model) for t, pet in tasks.pet_of.items()}
         self.balancer = PetBalancer(self.policy, 0.0) if self.policy is not None else None
         self.rounds: list[dict[str, Any]] = []
