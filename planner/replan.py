@@ -29,8 +29,7 @@ load); the search maximises the objective (``current``'s unless told) minus that
    the shortfall is how far the objective is below the fallback floor, ``fallback_below`` times
    the from-scratch plan's, plus under ``max-flow`` each layer's coverage below it on average: a
    gradient towards the floor where the minimum alone has none; under ``serving`` also how far the
-   max flow is below ``fallback_below`` times the larger of the from-scratch plan's and step 3's,
-   as a share of the floor: plans of about the same serving estimate differ by up to 30 % in max
+   max flow is below ``fallback_below`` times the from-scratch plan's, as a share of the floor: plans of about the same serving estimate differ by up to 30 % in max
    flow, and the max flow is what a re-plan is judged by) and with re-planning's moves (``anchor``: back to a node's current
    range, boundary shifts, ejection chains), from every start — the warm start, step 3's placement
    or step 4's best, the relabelled plan from scratch, and under ``serving`` the same search
@@ -258,8 +257,6 @@ def _searches(ev: Evaluator, old: Placement, start: Placement | None, scratch: P
     if flow_ev is not ev:
         starts.append(_move_search(flow_ev, old, starts, options, search.within(SEARCH_SHARE * limit),
                                    floor=floor).placement)
-    if flow_ev is not ev and fewest is not None and fewest.max_flow_tok_s is not None:
-        floor = max(floor, options.fallback_below * fewest.max_flow_tok_s)  # a max flow within reach at few moves
     return _move_search(ev, old, starts, options, search, floor=options.fallback_below * scratch_value,
                         flow_floor=floor if flow_ev is not ev else 0.0)
 
