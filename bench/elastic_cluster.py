@@ -36,8 +36,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -46,6 +47,9 @@ sys.path.insert(1, str(ROOT / "bench"))
 import httpx  # noqa: E402
 from harness import RoundLog, Target, add_rounds_option, format_value, make_console, report  # noqa: E402
 from rich.table import Table  # noqa: E402
+
+if TYPE_CHECKING:
+    from router.launch import AgentProcesses
 
 DEMO = ROOT / "clusters" / "demo" / "cluster.yaml"
 PROMPTS = [f"Tell me about {topic} in a few sentences." for topic in
@@ -82,18 +86,23 @@ def plan_for(cluster_path: Path, without: str | None, path: Path) -> dict[str, t
 
 
 class Cluster:
-    """Agents of a plan and ``helix serve`` over them (default re-planning policy)."""
+    """Agents of a plan and ``helix serve`` over them (default re-planning policy; ``flags`` add to
+    helix serve's; ``on_agents`` sees the agents once they are ready, before the coordinator starts)."""
 
-    def __init__(self, cluster_path: Path, plan_path: Path, workdir: Path) -> None:
+    def __init__(self, cluster_path: Path, plan_path: Path, workdir: Path, *, flags: Sequence[str] = (),
+                 on_agents: Callable[[AgentProcesses], None] | None = None) -> None:  # fmt: skip
         from router.launch import AgentProcesses
 
         self.secret = secrets.token_hex(8)
         self.agents = AgentProcesses(cluster_path, plan_path, workdir, secret=self.secret)
         self.agents.start(json.loads(plan_path.read_text())["placement"])  # each on a free loopback port
         addresses = self.agents.wait_ready(timeout_s=240)
+        if on_agents is not None:
+            on_agents(self.agents)
         port = free_port()
         cmd = [sys.executable, "-m", "helix.cli", "serve", "--cluster", str(cluster_path), "--plan", str(plan_path),
-               "--port", str(port), "--queue-bound", "4096", *[f"--agent={n}={a}" for n, a in addresses.items()]]
+               "--port", str(port), "--queue-bound", "4096", *flags,
+               *[f"--agent={n}={a}" for n, a in addresses.items()]]  # fmt: skip
         log = open(workdir / "serve.log", "ab")  # noqa: SIM115 - kept open for the subprocess's life
         self.serve = subprocess.Popen(cmd, env={**os.environ, "HELIX_SECRET": self.secret}, stdout=log, stderr=log)
         self.url = f"http://127.0.0.1:{port}"

@@ -30,17 +30,13 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import re
-import secrets
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -48,6 +44,7 @@ sys.path.insert(1, str(ROOT / "bench"))
 
 import httpx  # noqa: E402
 import yaml  # noqa: E402
+from elastic_cluster import Cluster  # noqa: E402
 from harness import RoundLog, Target, add_rounds_option, interleaved, make_console, report  # noqa: E402
 
 DEMO = ROOT / "clusters" / "demo" / "cluster.yaml"
@@ -55,15 +52,10 @@ LAYOUT = {"cpu-0": (28, 30), "cpu-1": (0, 28), "cpu-2": (0, 28)}
 PINNED = {"cpu-1": [0], "cpu-2": [1], "cpu-0": [2]}  # a core per agent (cpu-0's only on a machine of 4 cores or more)
 TARGET = 1.2
 ARMS = ("static", "migration")
+if TYPE_CHECKING:
+    from router.launch import AgentProcesses
+
 out = make_console()
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def write_cluster(workdir: Path) -> tuple[Path, Path]:
@@ -100,55 +92,25 @@ def write_tasks(root: Path, count: int) -> list[tuple[str, Path]]:
     return tasks
 
 
-class Serving:
+class Serving(Cluster):
     """The agents of :data:`LAYOUT` (cpu-1, cpu-2 pinned) and ``helix serve`` with ``flags`` over them."""
 
     def __init__(self, cluster_path: Path, plan_path: Path, workdir: Path, flags: list[str]) -> None:
-        import psutil
-
-        from router.launch import AgentProcesses
-
-        secret = secrets.token_hex(8)
-        self.agents = AgentProcesses(cluster_path, plan_path, workdir, secret=secret)
-        self.agents.start(LAYOUT)
-        addresses = self.agents.wait_ready(timeout_s=240)
-        cores = os.cpu_count() or 1
-        for node, pinned in PINNED.items():
-            if max(pinned) < cores and (cores >= 4 or node != "cpu-0"):
-                psutil.Process(self.agents.agents[node].pid).cpu_affinity(pinned)
-        port = free_port()
-        cmd = [sys.executable, "-m", "helix.cli", "serve", "--cluster", str(cluster_path), "--plan", str(plan_path),
-               "--port", str(port), "--queue-bound", "4096", "--no-replan", "--task-placement", "spread", *flags,
-               *[f"--agent={n}={a}" for n, a in addresses.items()]]  # fmt: skip
-        log = open(workdir / "serve.log", "ab")  # noqa: SIM115 - kept open for the subprocess's life
-        self.serve = subprocess.Popen(cmd, env={**os.environ, "HELIX_SECRET": secret}, stdout=log, stderr=log)
-        self.url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.close()
-        raise RuntimeError("helix serve did not become ready")
-
-    def tokens(self) -> float:
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        match = re.search(r"^helix_generated_tokens_total ([0-9.e+]+)$", text, re.M)
-        return float(match.group(1)) if match else 0.0
+        super().__init__(cluster_path, plan_path, workdir, on_agents=_pin,
+                         flags=["--no-replan", "--task-placement", "spread", *flags])  # fmt: skip
 
     def health(self) -> dict[str, Any]:
         return dict(httpx.get(f"{self.url}/health", timeout=10).json())
 
-    def close(self) -> None:
-        self.serve.send_signal(signal.SIGTERM)
-        try:
-            self.serve.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.serve.kill()
-        self.agents.stop()
+
+def _pin(agents: AgentProcesses) -> None:
+    """cpu-1 and cpu-2 on a core each (cpu-0 on a third where there are 4 cores or more)."""
+    import psutil
+
+    cores = os.cpu_count() or 1
+    for node, pinned in PINNED.items():
+        if max(pinned) < cores and (cores >= 4 or node != "cpu-0"):
+            psutil.Process(agents.agents[node].pid).cpu_affinity(pinned)
 
 
 def popularity(names: list[str], zipf: float, shift_s: float, seed: int, t: float) -> list[float]:
