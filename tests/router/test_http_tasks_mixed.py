@@ -46,6 +46,7 @@ from tests.router.pet_tasks import (
 
 CHUNK = 16  # every agent's --chunk-size
 NEW = 8  # tokens per request
+WAVE = 8  # streaming requests started together
 # the base and sixteen tasks, the PET types interleaved
 MIXED = [MODEL, "lora-peft", "adapter-relu", "bitfit", "diff", "mask", "lora-attn", "adapter-gelu", "bitfit-no-head",
          "diff-sparser", "mask-lighter", "lora-mlp", "adapter-mlp-silu", "bitfit-upper", "diff-lower", "mask-8-24",
@@ -170,9 +171,9 @@ def _steps_since(before: dict[str, tuple[dict[float, float], float]],
 
 def test_32_requests_over_16_tasks_of_every_pet_type_and_the_base_joining_mid_flight_equal_each_alone(
         cluster: ServingCluster, mixed_tasks: list[str], long_prompts: list[list[int]]) -> None:  # fmt: skip
-    """32 streaming requests over the sixteen tasks and the base, each started once the one before it
-    streamed its first token (so the agents' steps mix tasks, prefill chunks and decodes), give
-    exactly the text each gives served alone."""
+    """32 streaming requests over the sixteen tasks and the base, in waves of :data:`WAVE` started
+    together, each wave once the one before it streamed its first tokens (so the agents' steps mix
+    tasks, prefill chunks and decodes), give exactly the text each gives served alone."""
     requests = [(name, 0) for name in MIXED] + [(name, 1) for name in MIXED[:15]]
     kinds = {cluster.coordinator.tasks.tasks[name].pet_type for name in mixed_tasks}
     assert len(requests) == 32 and len(mixed_tasks) == 16 and kinds == {"lora", "adapter", "bitfit", "diff", "mask"}
@@ -197,9 +198,9 @@ def test_32_requests_over_16_tasks_of_every_pet_type_and_the_base_joining_mid_fl
 
     before = _node_steps(cluster, "helix_node_batch_sequences")
     streams, texts = [], []
-    for name, k in requests:
-        streams.append(_stream(cluster, name, long_prompts[k]))
-        texts.append(_until_first_token(streams[-1]))
+    for wave in range(0, len(requests), WAVE):  # a wave joins while the one before it decodes
+        streams += [_stream(cluster, name, long_prompts[k]) for name, k in requests[wave:wave + WAVE]]
+        texts += [_until_first_token(stream) for stream in streams[wave:]]
     for stream, parts in zip(streams, texts, strict=True):
         parts += [c.choices[0].text for c in stream if c.choices]
     assert ["".join(parts) for parts in texts] == alone
