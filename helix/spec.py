@@ -1,8 +1,11 @@
-"""The cluster file (``clusters/*.yaml``): nodes, coordinator, links and link defaults.
+"""The cluster file (``clusters/*.yaml``): nodes, coordinator, links, link defaults and regions.
 
 :class:`ClusterSpec` is the contract of DESIGN.md. :func:`load_cluster` reads and validates
 one file; :meth:`ClusterSpec.resolved_links` expands ``defaults`` into the full set of
-directed links (explicit links win). Validation errors name the file and the field.
+directed links (explicit links win). Capacities several links share - a region's uplink and
+downlink to the other regions (``regions``), a node's NIC (``nic_gbps``) - cap the sum of
+those links' traffic on top of each link's own bandwidth. Validation errors name the file and
+the field.
 """
 
 from __future__ import annotations
@@ -68,6 +71,11 @@ class NodeSpec(_Strict):
         default=None, gt=0,
         description="layers: hold at most this many; may only lower the GPU profile's `max_layers` (higher is an error)",
     )
+    nic_gbps: float | None = Field(
+        default=None, gt=0,
+        description="Gbit/s (10^9 bits/s): the node's NIC; caps the total of its links each way (activations and "
+        "tokens in, activations and tokens out); absent: no cap beyond each link's own",
+    )
     backend: Literal["torch", "vllm"] = Field(
         default="torch",
         description="what runs the node's layers: `torch` (Helix's engine) or `vllm` (vLLM's layers; needs vLLM "
@@ -119,6 +127,41 @@ class LinkDefaults(_Strict):
     )
 
 
+class RegionSpec(_Strict):
+    """A region's shared connection to the other regions: every link leaving the region for another
+    one shares `uplink_gbps`, every link entering it from another one shares `downlink_gbps`."""
+
+    uplink_gbps: float | None = Field(
+        default=None, gt=0,
+        description="Gbit/s (10^9 bits/s): total traffic from this region to all other regions; absent: "
+        "`downlink_gbps`",
+    )
+    downlink_gbps: float | None = Field(
+        default=None, gt=0,
+        description="Gbit/s: total traffic into this region from all other regions; absent: `uplink_gbps`",
+    )
+
+    @model_validator(mode="after")
+    def _one_given(self) -> RegionSpec:
+        if self.uplink_gbps is None and self.downlink_gbps is None:
+            raise ValueError("give uplink_gbps or downlink_gbps (or both)")
+        return self
+
+    @property
+    def up_gbps(self) -> float:
+        """The uplink in Gbit/s (the downlink when only that is given)."""
+        value = self.uplink_gbps if self.uplink_gbps is not None else self.downlink_gbps
+        assert value is not None  # _one_given
+        return value
+
+    @property
+    def down_gbps(self) -> float:
+        """The downlink in Gbit/s (the uplink when only that is given)."""
+        value = self.downlink_gbps if self.downlink_gbps is not None else self.uplink_gbps
+        assert value is not None  # _one_given
+        return value
+
+
 class ResolvedLink(_Strict):
     """A directed link after defaults were applied."""
 
@@ -141,6 +184,11 @@ class ClusterSpec(_Strict):
     links: list[LinkSpec] = Field(default=[], description="explicit directed links; they win over `defaults`")
     defaults: LinkDefaults | None = Field(
         default=None, description="links for every pair not in `links`; absent: only listed links exist"
+    )
+    regions: dict[str, RegionSpec] = Field(
+        default={},
+        description="per region (a `region` of the nodes or the coordinator): the uplink and downlink its links to "
+        "other regions share; a region not listed (or no table): each link carries its own bandwidth, no more",
     )
     tasks: list[TaskSpec] = Field(
         default=[], description="fine-tuned tasks of `model` served from start (docs/pets.md); more can be loaded "
@@ -172,6 +220,12 @@ class ClusterSpec(_Strict):
                     raise ValueError(f"links[{i}].{end}: unknown node {getattr(link, end)!r}")
             if link.src == link.dst:
                 raise ValueError(f"links[{i}]: a link from {link.src!r} to itself")
+        used = {n.region for n in self.nodes} | {self.coordinator.region}
+        for name in self.regions:
+            if name not in used:
+                known_regions = sorted(r for r in used if r is not None)
+                raise ValueError(f"regions.{name}: no node or coordinator is in region {name!r} "
+                                 f"(regions: {', '.join(known_regions) or 'none'})")
         names: dict[str, int] = {}
         for i, task in enumerate(self.tasks):
             if task.name in names:
@@ -208,6 +262,12 @@ class ClusterSpec(_Strict):
             return self.coordinator.region
         return self.node(vertex).region
 
+    def crosses_regions(self, src: str, dst: str) -> bool:
+        """Whether traffic ``src -> dst`` leaves one region for another (both ends have a region, and they
+        differ): it then counts in ``regions``' uplink of the one and downlink of the other."""
+        rs, rd = self.region_of(src), self.region_of(dst)
+        return rs is not None and rd is not None and rs != rd
+
     def profile_paths(self) -> list[Path]:
         base = Path(self.source).parent
         names = [self.profiles] if isinstance(self.profiles, str) else self.profiles
@@ -229,9 +289,7 @@ class ClusterSpec(_Strict):
             for dst in vertices:
                 if src == dst or (src, dst) in out:
                     continue
-                rs, rd = self.region_of(src), self.region_of(dst)
-                same = rs is None or rd is None or rs == rd
-                params = self.defaults.intra_region if same else self.defaults.inter_region
+                params = self.defaults.inter_region if self.crosses_regions(src, dst) else self.defaults.intra_region
                 if params is not None:
                     out[(src, dst)] = ResolvedLink(
                         src=src, dst=dst, bandwidth_gbps=params.bandwidth_gbps, latency_ms=params.latency_ms

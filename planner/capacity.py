@@ -14,6 +14,10 @@ inner loops never touch pydantic objects:
   :mod:`helix.perf_model`) and the batch limits of one iteration;
 * per directed link: bandwidth (``links``) and latency; the coordinator's NIC; the bytes of a
   token id and of one token's activations;
+* the capacities links share (the cluster file's ``regions`` and nodes' ``nic_gbps``): a region's
+  uplink / downlink caps the total of its links to / from other regions, a node's NIC the total of
+  its links each way (:meth:`~CapacityModel.region_uplink_tok_s`, :meth:`~CapacityModel.node_nic_tok_s`;
+  :mod:`planner.shared_links` turns them into constraints on the flows);
 * the cluster's fine-tuned tasks (``task_mix``: PET type -> tasks of it, from the cluster file's
   ``tasks:``), whose per-task cost the serving model prices (their memory is already out of the
   profiles' KV and layer limits: :mod:`helix.task_memory`).
@@ -101,6 +105,10 @@ class CapacityModel:
     activation_bytes: int
     nic_gbps: float | None
     task_mix: dict[str, int] = field(default_factory=dict)  # PET type -> the cluster's tasks of it; empty: none
+    coordinator_region: str | None = None  # None: the same region as every node
+    region_uplink_gbps: dict[str, float] = field(default_factory=dict)  # region -> its uplink; absent: none shared
+    region_downlink_gbps: dict[str, float] = field(default_factory=dict)  # region -> its downlink
+    node_nic_gbps: dict[str, float] = field(default_factory=dict)  # node -> its NIC (each way); absent: no cap
 
     @classmethod
     def build(cls, cluster: ClusterSpec, profiles: ProfileSet) -> CapacityModel:
@@ -139,6 +147,10 @@ class CapacityModel:
             activation_bytes=model.activation_bytes_per_token,
             nic_gbps=cluster.coordinator.nic_gbps,
             task_mix=dict(tasks.pet_types) if tasks is not None else {},
+            coordinator_region=cluster.coordinator.region,
+            region_uplink_gbps={r: spec.up_gbps for r, spec in cluster.regions.items()},
+            region_downlink_gbps={r: spec.down_gbps for r, spec in cluster.regions.items()},
+            node_nic_gbps={n.id: n.nic_gbps for n in cluster.nodes if n.nic_gbps is not None},
         )
 
     # -- nodes and kinds ---------------------------------------------------------------------
@@ -190,12 +202,50 @@ class CapacityModel:
     def link_latency_ms(self, src: str, dst: str) -> float | None:
         return self.latency_ms.get((src, dst))
 
+    # -- capacities links share --------------------------------------------------------------
+    #
+    # In tokens/s of activations (``activation_bytes`` a token), as the node-to-node links are. The
+    # traffic they cap is counted in bytes: activations at ``activation_bytes`` a token, the
+    # coordinator's token ids and sampled tokens at ``token_bytes`` (planner.shared_links).
+
+    def vertex_region(self, vertex: str) -> str | None:
+        """A node's region, or the coordinator's."""
+        return self.coordinator_region if vertex == self.coordinator else self.region_of.get(vertex)
+
+    def crosses_regions(self, src: str, dst: str) -> bool:
+        """Whether traffic ``src -> dst`` leaves one region for another (both ends have a region and they
+        differ); it then counts in the uplink of ``src``'s region and the downlink of ``dst``'s."""
+        rs, rd = self.vertex_region(src), self.vertex_region(dst)
+        return rs is not None and rd is not None and rs != rd
+
+    def region_uplink_tok_s(self, region: str | None) -> float | None:
+        """Tokens/s of activations all links from ``region`` to other regions carry together; None: no shared
+        uplink (each link carries its own bandwidth)."""
+        bw = self.region_uplink_gbps.get(region) if region is not None else None
+        return None if bw is None else link_tokens_per_s(bw, self.activation_bytes)
+
+    def region_downlink_tok_s(self, region: str | None) -> float | None:
+        """Tokens/s of activations all links into ``region`` from other regions carry together; None: none shared."""
+        bw = self.region_downlink_gbps.get(region) if region is not None else None
+        return None if bw is None else link_tokens_per_s(bw, self.activation_bytes)
+
+    def node_nic_tok_s(self, node: str) -> float | None:
+        """Tokens/s of activations a node's NIC carries each way (all its links in, all its links out, together);
+        None: no NIC cap. The coordinator's NIC is ``nic_gbps`` (token ids, a cap of its own)."""
+        bw = self.node_nic_gbps.get(node)
+        return None if bw is None else link_tokens_per_s(bw, self.activation_bytes)
+
+    @property
+    def has_shared_links(self) -> bool:
+        """Whether any region uplink/downlink or node NIC caps a group of links."""
+        return bool(self.region_uplink_gbps or self.region_downlink_gbps or self.node_nic_gbps)
+
     def links_uniform(self) -> bool:
-        """True when every node pair and coordinator link exists with one bandwidth (links never
-        restrict which node may follow which)."""
+        """True when every node pair and coordinator link exists with one bandwidth and no capacity is
+        shared (links never restrict which node may follow which)."""
         bws = set(self.links.values())
         n = len(self.nodes)
-        return len(bws) == 1 and len(self.links) >= n * (n - 1) + 2 * n
+        return not self.has_shared_links and len(bws) == 1 and len(self.links) >= n * (n - 1) + 2 * n
 
     # -- derived problems --------------------------------------------------------------------
 
@@ -206,7 +256,8 @@ class CapacityModel:
         return replace(self, nodes=kept, node_tok_s=_only(self.node_tok_s, keep),
                        max_layers=_only(self.max_layers, keep),
                        gpu_of=_only(self.gpu_of, keep), kind_of=_only(self.kind_of, keep),
-                       region_of=_only(self.region_of, keep), kind_nodes=_kind_nodes(kept, self.kind_of))  # fmt: skip
+                       region_of=_only(self.region_of, keep), kind_nodes=_kind_nodes(kept, self.kind_of),
+                       node_nic_gbps=_only(self.node_nic_gbps, keep))  # fmt: skip
 
     def pruned(self, frac: float) -> CapacityModel:
         """Drop the slowest ``frac`` of every node's outgoing node-to-node links (coordinator links
