@@ -38,7 +38,8 @@ def test_every_field_is_described_and_documented(block: str) -> None:
 def test_the_file_formats_reach_every_nested_model() -> None:
     names = {m.__name__ for root in BLOCKS.values() for m in models_of(root)}
     assert {"ClusterSpec", "CoordinatorSpec", "NodeSpec", "LinkSpec", "LinkDefaults", "LinkParams", "ProfileSet",
-            "ModelProfile", "GpuProfile", "ThroughputProfile", "Plan", "FlowEdge", "TaskSpec", "PETFileConfig"} == names
+            "ModelProfile", "GpuProfile", "ThroughputProfile", "Plan", "FlowEdge", "TaskSpec", "PETFileConfig",
+            "RegionSpec"} == names
 
 
 def test_a_table_row_says_type_constraints_default_and_meaning() -> None:
