@@ -8,7 +8,8 @@ under preflow-push flows). :func:`balanced_flows` keeps the max-flow value but s
 convex QP (HiGHS)::
 
     minimize  sum_i f_i^2 / T_i(k_i)   (f_i = flow through node i)
-    s.t.      flow conservation, edge and node capacities, value = max flow
+    s.t.      flow conservation, edge and node capacities, shared link capacities
+              (planner.shared_links), value = max flow
 
 whose optimum splits flow among interchangeable nodes in proportion to T_i (equal
 utilisation), i.e. every node works and none is favoured. A 1e-6 weight on every edge's
@@ -75,6 +76,8 @@ def balance(
 ) -> tuple[float, list[FlowEdge]] | None:
     """The balanced flows, or None when the QP does not finish (or the deadline has passed)."""
     g = build_graph(cap, placement, partial_handoffs=partial_handoffs)
+    if value is None and g.graph.get("shared"):
+        value = graph.max_flow_value(cap, placement, partial_handoffs=partial_handoffs)
     if value is None:
         value = float(nx.maximum_flow_value(g, SOURCE, SINK, flow_func=nx.algorithms.flow.preflow_push))
     if value <= 0:
@@ -96,6 +99,10 @@ def balance(
         ins = [idx[(u, v)] for u in g.predecessors(v)]
         outs = [idx[(v, w)] for w in g.successors(v)]
         m.add_row(ins + outs, [1.0] * len(ins) + [-1.0] * len(outs), 0.0, 0.0)
+    for row in g.graph.get("shared", []):  # sum bytes_e f_e <= limit, f_e = value x_e
+        unit = max(nbytes for _, nbytes in row.edges)
+        m.add_row([idx[key] for key, _ in row.edges], [nbytes / unit for _, nbytes in row.edges],
+                  hi=row.bytes_per_s / unit / value)  # fmt: skip
     src = [idx[(SOURCE, w)] for w in g.successors(SOURCE)]
     slack = 1e-7
     m.add_row(src, [1.0] * len(src), 1.0 - slack, 1.0 + slack)

@@ -11,6 +11,10 @@ holds). Edges, each with capacity = link bandwidth / bytes per token:
   ``e_i == s_j`` without (activations, ``hidden_size * dtype_bytes`` each).
 
 If the coordinator has ``nic_gbps``, its NIC caps the total flow in each direction.
+Capacities links share (a region's uplink / downlink, a node's NIC) are side constraints on the
+flow, kept on the graph (``g.graph["shared"]``, :mod:`planner.shared_links`): when networkx's max
+flow overloads one, the max flow is that of the graph :func:`planner.shared_links.restricted`
+returns (:func:`flow_graph`), so no extra vertex appears and the flows stay links between nodes.
 The max flow is the cluster's serving throughput for that placement; the min cut is its
 bottleneck. The capacities come from the planning problem (:class:`planner.capacity.CapacityModel`);
 a placement is any mapping of node id -> ``(start, end)`` (a :data:`helix.domain.Placement`, or a
@@ -24,9 +28,11 @@ from dataclasses import dataclass
 
 import networkx as nx
 
+from helix.errors import ConfigError
 from helix.plan import FlowEdge, node_inflow
 from helix.units import link_tokens_per_s
 from planner.capacity import CapacityModel
+from planner.shared_links import graph_edge_flows, restricted, shared_capacities
 
 SOURCE = "__source__"
 SINK = "__sink__"
@@ -70,7 +76,42 @@ def build_graph(cap: CapacityModel, placement: Mapping[str, tuple[int, int]], *,
                 if c is not None:
                     g.add_edge(f"{a}/out", f"{b}/in", capacity=c)
     g.add_nodes_from([SOURCE, SINK])
+    if cap.has_shared_links:
+        g.graph["shared"] = shared_capacities(cap, (((u, v), _vertex_name(u, coord), _vertex_name(v, coord))
+                                                    for u, v in g.edges if _is_link(u, v)))
     return g
+
+
+def _is_link(u: str, v: str) -> bool:
+    """Whether a graph edge is a link (not a node's compute edge nor the coordinator's NIC edges)."""
+    if (u == SOURCE and v == _NIC_OUT) or (u == _NIC_IN and v == SINK):
+        return False
+    return not (u.endswith("/in") and v.endswith("/out") and u[:-3] == v[:-4])
+
+
+def _max_flow(g: nx.DiGraph) -> tuple[float, dict[str, dict[str, float]], nx.DiGraph]:
+    """The max flow of ``g`` within its shared capacities: value, flow dict and the graph it is a plain
+    max flow of (``g`` itself unless a shared capacity binds)."""
+    value, flow = nx.maximum_flow(g, SOURCE, SINK, flow_func=nx.algorithms.flow.preflow_push)
+    rows = g.graph.get("shared")
+    if not rows or value <= 0:
+        return float(value), flow, g
+    loads = graph_edge_flows(flow, rows)
+    if not any(row.overloaded(loads) for row in rows):
+        return float(value), flow, g
+    full_only, every = restricted(g, rows, SOURCE, SINK, float(value))
+    value, flow = nx.maximum_flow(full_only, SOURCE, SINK, flow_func=nx.algorithms.flow.preflow_push)
+    if not any(row.overloaded(graph_edge_flows(flow, rows)) for row in rows):
+        return float(value), flow, full_only
+    value, flow = nx.maximum_flow(every, SOURCE, SINK, flow_func=nx.algorithms.flow.preflow_push)
+    return float(value), flow, every
+
+
+def flow_graph(cap: CapacityModel, placement: Mapping[str, tuple[int, int]], *,
+               partial_handoffs: bool = True) -> nx.DiGraph:
+    """The graph whose plain max flow and min cut are the placement's (:func:`build_graph`'s, restricted
+    to the shared capacities' LP flows when one binds): what views of the min cut read."""
+    return _max_flow(build_graph(cap, placement, partial_handoffs=partial_handoffs))[2]
 
 
 @dataclass(slots=True)
@@ -104,8 +145,7 @@ def evaluate(
     with_cut: bool = True,
 ) -> FlowResult:
     """Max flow of a placement, the flow on every node-to-node edge, and the min cut."""
-    g = build_graph(cap, placement, partial_handoffs=partial_handoffs)
-    value, flow = nx.maximum_flow(g, SOURCE, SINK, flow_func=nx.algorithms.flow.preflow_push)
+    value, flow, g = _max_flow(build_graph(cap, placement, partial_handoffs=partial_handoffs))
     edges = flow_edges(((u, v, f) for u, outs in flow.items() for v, f in outs.items()), cap.coordinator)
     bottleneck = min_cut_description(g, cap) if with_cut and value > 0 else []
     return FlowResult(max_flow_tok_s=float(value), flows=edges, bottleneck=bottleneck)
@@ -114,6 +154,8 @@ def evaluate(
 def max_flow_value(cap: CapacityModel, placement: Mapping[str, tuple[int, int]], *,
                    partial_handoffs: bool = True) -> float:
     g = build_graph(cap, placement, partial_handoffs=partial_handoffs)
+    if g.graph.get("shared"):
+        return _max_flow(g)[0]
     return float(nx.maximum_flow_value(g, SOURCE, SINK, flow_func=nx.algorithms.flow.preflow_push))
 
 
@@ -131,6 +173,8 @@ def min_cut_description(g: nx.DiGraph, cap: CapacityModel) -> list[str]:
                 out.append(f"node {u[:-3]} compute ({c:.1f} tok/s)")
             elif u == SOURCE and v == _NIC_OUT or u == _NIC_IN and v == SINK:
                 out.append(f"coordinator NIC ({c:.1f} tok/s)")
+            elif "shared" in data:
+                out.append(f"link {_vertex_name(u, coord)} -> {_vertex_name(v, coord)} ({c:.1f} tok/s: {data['shared']} full)")
             else:
                 out.append(f"link {_vertex_name(u, coord)} -> {_vertex_name(v, coord)} ({c:.1f} tok/s)")
     return sorted(out)
@@ -138,9 +182,8 @@ def min_cut_description(g: nx.DiGraph, cap: CapacityModel) -> list[str]:
 
 def check_flows(cap: CapacityModel, placement: Mapping[str, tuple[int, int]], flows: list[FlowEdge], *,
                 partial_handoffs: bool = True) -> None:
-    """Every flow runs on a valid edge and within its capacity (the plan's capacity invariant)."""
-    from helix.errors import ConfigError
-
+    """Every flow runs on a valid edge and within its capacity, every group of links within the capacity it
+    shares (the plan's capacity invariant)."""
     coord = cap.coordinator
     for i, e in enumerate(flows):
         if e.src == coord:
@@ -160,3 +203,8 @@ def check_flows(cap: CapacityModel, placement: Mapping[str, tuple[int, int]], fl
         c = cap.node_capacity(node, end - start)
         if f > c * (1 + 1e-6):
             raise ConfigError(f"flow {f:.6g} through node {node} exceeds its capacity {c:.6g}", field="flows")
+    on_flow = {i: e.tok_s for i, e in enumerate(flows)}
+    for row in shared_capacities(cap, ((i, e.src, e.dst) for i, e in enumerate(flows))):
+        if row.overloaded(on_flow):
+            raise ConfigError(f"flows across the {row.what} carry {row.load(on_flow) * 8 / 1e9:.6g} Gbit/s, more than its "
+                              f"{row.bytes_per_s * 8 / 1e9:.6g}", field="flows")

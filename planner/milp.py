@@ -19,6 +19,10 @@ The formulation, with ``L`` layers, node ``i`` holding at most ``K_i`` layers an
   ``s_j <= e_i < e_j`` with partial-layer hand-offs, ``e_i = s_j`` without;
 * objective: maximise the flow out of the source (capped by the coordinator NIC if given).
 
+Beyond the paper: capacities links share (a region's uplink / downlink, a node's NIC;
+:mod:`planner.shared_links`) cap their links' flows together, one row each
+(``sum_e bytes_e f_e <= limit``), as the max-flow graph's evaluation does.
+
 The paper's speed-ups are options: a heuristic warm start, link pruning (keep only the
 fastest links of every node) and an early stop once the incumbent meets the network-free
 upper bound ``sum_i max_k k T_i(k) / L`` (added as the valid cut ``objective <= bound`` so
@@ -45,6 +49,7 @@ from planner.budget import Deadline
 from planner.capacity import CapacityModel
 from planner.graph import evaluate
 from planner.progress import ProgressFn
+from planner.shared_links import shared_capacities
 from planner.solvers import add_variable, lp_sum, new_problem, solve_pulp
 
 log = logging.getLogger(__name__)
@@ -135,6 +140,9 @@ def build_paper_milp(cap: CapacityModel, *, partial_handoffs: bool = True, cap_o
                 prob += start[b] - end[a] <= big_m * (1 - d), f"veq2_{tag}"
         assert c is not None
         prob += f <= c * d, f"link_{tag}"
+    for i, row in enumerate(shared_capacities(cap, ((key, key[0], key[1]) for key in flow))):
+        unit = max(nbytes for _, nbytes in row.edges)  # in tokens/s of the row's largest messages
+        prob += lp_sum(nbytes / unit * flow[key] for key, nbytes in row.edges) <= row.bytes_per_s / unit, f"shared_{i}"
     if cap.nic_gbps is not None:
         prob += source_out <= link_tokens_per_s(cap.nic_gbps, cap.token_bytes), "nic_out"
     if cap_objective is not None:

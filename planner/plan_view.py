@@ -17,7 +17,7 @@ from helix.plan import Plan, node_inflow
 from helix.profile import ProfileSet
 from helix.spec import ClusterSpec
 from planner.capacity import CapacityModel
-from planner.graph import SINK, SOURCE, build_graph
+from planner.graph import SINK, SOURCE, flow_graph
 from planner.viz_layout import COORD_IN, COORD_OUT, PlanLayout, plan_layout
 
 
@@ -56,7 +56,7 @@ def plan_view(plan: Plan, cluster: ClusterSpec, profiles: ProfileSet) -> PlanVie
     cut_nodes: set[str] = set()
     cut_links: set[tuple[str, str]] = set()
     cut_nic = False
-    g = build_graph(cap, dict(plan.placement), partial_handoffs=plan.partial_handoffs)
+    g = flow_graph(cap, dict(plan.placement), partial_handoffs=plan.partial_handoffs)
     if plan.max_flow_tok_s > 0:
         _, (reach, _) = nx.minimum_cut(g, SOURCE, SINK)
         for u in reach:

@@ -8,7 +8,8 @@ maximising the decode tokens/s, with one row per limit and its kind (what :func:
   ``T_i(k_i)``;
 * ``kv``: a node's KV under the router's mask (``kv_node_watermark``), and every layer's KV summed
   over its holders under the feeder's watermark (``kv_watermark``);
-* ``links``: every hop's tokens/s.
+* ``links``: every hop's tokens/s, and every capacity hops share (a region's uplink / downlink, a
+  node's NIC: :mod:`planner.shared_links`) in bytes/s.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 from planner.capacity import CapacityModel
 from planner.serving_paths import Routes
 from planner.serving_workload import Workload
+from planner.shared_links import shared_capacities
 from planner.solvers import Model
 
 
@@ -62,6 +64,14 @@ def requests_lp(cap: CapacityModel, w: Workload, routes: Routes, taus: list[floa
         if capl is None:
             capl = 0.0
         m.add_row([cols[j] for j in js], [tokens_per_decode / taus[j]] * len(js), hi=capl)
+        kinds.append("links")
+    for row in shared_capacities(cap, ((key, key[0], key[1]) for key in routes.over)):
+        unit = max(nbytes for _, nbytes in row.edges)
+        share: dict[int, float] = {}
+        for key, nbytes in row.edges:
+            for j in routes.over[key]:
+                share[j] = share.get(j, 0.0) + nbytes / unit * tokens_per_decode / taus[j]
+        m.add_row([cols[j] for j in share], list(share.values()), hi=row.bytes_per_s / unit)
         kinds.append("links")
     return m, kinds
 

@@ -89,7 +89,7 @@ def test_an_unknown_field_without_a_close_match_lists_the_known_ones(tmp_path) -
     c["colour"] = "red"
     with pytest.raises(ConfigError) as info:
         load_cluster(write(tmp_path, c))
-    assert "colour: unknown field (known here: name, model, profiles, coordinator, nodes, links, defaults, tasks, keys_dir)" in str(info.value)
+    assert "colour: unknown field (known here: name, model, profiles, coordinator, nodes, links, defaults, regions, tasks, keys_dir)" in str(info.value)
 
 
 def test_a_union_reports_one_line_not_one_per_member(tmp_path) -> None:
