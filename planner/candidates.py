@@ -3,7 +3,9 @@ incumbent, and the construction phase that fills it.
 
 Construction scores the warm starts first (the user's placement, the baselines), so an incumbent
 exists within moments, then the stage plans of the stage-pattern MILP (``planner.stages``) for
-the whole cluster and, for geo clusters whose links are not uniform, region by region. At least
+the whole cluster and, for geo clusters whose links are not uniform, the region chains
+(``planner.region_chains``: each region visited once, crossings wide enough for the slow links) and
+stage plans region by region. At least
 one candidate is always scored, even when the deadline comes first.
 """
 
@@ -13,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from helix.domain import LayerRange, Placement, as_placement
 from helix.errors import InfeasiblePlanError
-from planner import bounds, stages
+from planner import bounds, region_chains, stages
 from planner.budget import Deadline
 from planner.capacity import CapacityModel
 from planner.local_search import Evaluator, Scored
@@ -76,7 +78,14 @@ def construct(pool: CandidatePool, cap: CapacityModel, warm: list[Placement], *,
             if scoring.expired():
                 break
             pool.add(c, "construction: stage plans")
-    if len(cap.regions()) > 1 and not cap.links_uniform() and not scoring.expired():
+    geo = len(cap.regions()) > 1 and not cap.links_uniform()
+    if geo and not scoring.expired():
+        build = search.within(max(0.5, CONSTRUCTION_SHARE * limit))
+        for c in region_chains.chain_candidates(cap, deadline=build, lo=0.0, hi=coarse * (1 + 1e-6)):
+            if scoring.expired():
+                break
+            pool.add(c, "construction: region chains")
+    if geo and not scoring.expired():
         per_region = per_region_candidate(cap, search.within(0.05 * limit), coarse)
         if per_region:
             pool.add(per_region, "construction: per-region stage plans")
