@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from helix.perf_model import NETWORK_FREE_BOUND, network_free_bound
 from planner.budget import Deadline
 from planner.capacity import CapacityModel
+from planner.config_lp import configuration_lp
+from planner.link_bound import MAX_GROUPS, Groups, link_bound
 from planner.solvers import Model
 
 MAX_CONFIGS = 6000
@@ -130,56 +132,15 @@ def configuration_feasible(cap: CapacityModel, flow: float, *, time_limit_s: flo
 def configuration_lp_feasible(
     cap: CapacityModel, flow: float, *, time_limit_s: float = 10.0, deadline: Deadline | None = None
 ) -> bool | None:
-    """The LP relaxation of the layer-configuration model, by column generation.
-
-    With n_{t,k} continuous they can be eliminated: a node of type t holding k layers lends
-    1/k of itself to each of its layers, so covering layer l with configuration c costs
-    a_{t,c} = sum_k mult_c(t,k) / k nodes of type t. Master LP (one row per GPU type)::
-
-        maximize sum_c x_c   s.t.  sum_c a_{t,c} x_c <= N_t   (every type t)
-
-    and ``flow`` is reachable only if the optimum is >= L. Pricing (duals pi_t) is a covering
-    knapsack solved exactly by HiGHS: minimize sum_{t,k} pi_t m_{t,k} / k subject to
-    sum_{t,k} T_t(k) m_{t,k} >= flow, 0 <= m_{t,k} <= N_t integer. False is a proof.
+    """The LP relaxation of the layer-configuration model (3 above; column generation in
+    :mod:`planner.config_lp`): False (a proof) when fewer than L layers can be covered at ``flow``.
     Stops undecided (None) at ``deadline`` or after ``time_limit_s``, whichever is first."""
     deadline = (deadline or Deadline.after(time_limit_s)).within(time_limit_s)
-    counts = cap.kind_counts()
-    types = cap.kind_names
-    kinds = [(t, k) for t in types for k in range(1, cap.kinds[t].max_layers + 1)]
-    cols: list[list[float]] = []  # a_{t,c} per type
-    # start with single-kind columns that cover alone or with repeats (always valid configs)
-    for t, k in kinds:
-        height = cap.kinds[t].tok_s[k - 1]
-        reps = math.ceil(flow / height - 1e-12)
-        if reps <= counts[t]:
-            cols.append([reps / k if tt == t else 0.0 for tt in types])
-    if not cols:
-        cols.append([counts[t] + 1.0 for t in types])  # a dummy that no budget affords
     L = float(cap.num_layers)
-    while not deadline.expired():
-        master = Model()  # minimize -sum_c x_c
-        master_cols = [master.add_col(0.0, cost=-1.0) for _ in cols]
-        for ti, t in enumerate(types):
-            idx = [j for j in range(len(cols)) if cols[j][ti] > 0]
-            master.add_row([master_cols[j] for j in idx], [cols[j][ti] for j in idx], hi=float(counts[t]))
-        got = master.solve(time_limit_s=deadline.solver_limit(), options={"presolve": "off"})
-        if got.status != "optimal":
-            return None
-        covered = -got.objective
-        if covered >= L * (1 - 1e-9):
-            return True
-        duals = [max(0.0, -d) for d in got.row_dual]
-        price = Model()
-        mcols = [price.add_col(0, counts[t], cost=duals[types.index(t)] / k, integer=True) for t, k in kinds]
-        price.add_row(mcols, [cap.kinds[t].tok_s[k - 1] for t, k in kinds], lo=flow)
-        sol = price.solve(time_limit_s=deadline.solver_limit(), mip_gap=0.0)
-        if sol.status != "optimal":
-            return None
-        if sol.objective >= 1 - 1e-9:  # no column improves: the LP optimum is proven < L
-            return False
-        counts_m = [round(v) for v in sol.x]
-        cols.append([sum(counts_m[q] / k for q, (tt, k) in enumerate(kinds) if tt == t) for t in types])
-    return None
+    got = configuration_lp(cap, flow, deadline, stop_at=L)
+    if got is None:
+        return None
+    return got.covered >= L * (1 - 1e-9)
 
 
 def configuration_bound(
@@ -214,11 +175,27 @@ def cheap_bound(cap: CapacityModel) -> Bound:
     return Bound(area, f"area: {NETWORK_FREE_BOUND}")
 
 
+def subset_bounds(cap: CapacityModel, groups: Groups, deadline: Deadline) -> dict[frozenset[str], float]:
+    """Per proper set U of region groups, a network-free bound on what U's nodes carry by themselves
+    (0 when they cannot hold the model): the P_U of :mod:`planner.link_bound`."""
+    out: dict[frozenset[str], float] = {}
+    for u in groups.proper_subsets():
+        sub = cap.subset(groups.nodes_of(cap, u))
+        if sum(sub.max_layers.values()) < cap.num_layers:
+            out[u] = 0.0
+            continue
+        top = min(area_bound(sub), coordinator_bound(sub))
+        out[u] = top if deadline.expired() else configuration_bound(sub, lower=0.0, upper=top, rel_tol=1e-4,
+                                                                    deadline=deadline)
+    return out
+
+
 def upper_bound(
     cap: CapacityModel, *, achieved: float, time_limit_s: float = 20.0, deadline: Deadline | None = None
 ) -> Bound:
     """The best bound proven before ``deadline`` (or within ``time_limit_s``): the cheap ones,
-    tightened by the layer-configuration LP when there is time."""
+    tightened by the layer-configuration LP, then by the link-aware argument when there is time."""
+    deadline = (deadline or Deadline.after(time_limit_s)).within(time_limit_s)
     best = cheap_bound(cap)
     cfg = configuration_bound(
         cap, lower=min(achieved, best.tok_s), upper=best.tok_s, time_limit_s=time_limit_s, deadline=deadline
@@ -229,4 +206,14 @@ def upper_bound(
             "layer-configuration LP (column generation, HiGHS): no mix of per-layer node configurations "
             "lets every layer be covered by nodes summing to more than this (bisection; infeasible above)",
         )
+    groups = Groups.of(cap)
+    if 2 <= len(groups.names) <= MAX_GROUPS and not deadline.expired():
+        alone = subset_bounds(cap, groups, deadline)
+        linked = link_bound(cap, lower=min(achieved, best.tok_s), upper=best.tok_s, alone=alone, deadline=deadline)
+        if linked < best.tok_s:
+            best = Bound(
+                linked,
+                "link-aware LP + boundary MILP (HiGHS): above this, the region crossings the flow needs cost more "
+                "node-layers than the layer-configuration LP has to spare (bisection; planner.link_bound)",
+            )
     return best
