@@ -21,8 +21,13 @@
    configurations, capacities rounded *up* to multiples of F/Q when there are too many)
    gives the same there and is kept as a cross-check.
 
-Links are ignored by 3 (it is a relaxation of the network-free problem), so the reported
-bound is min(1..3).
+4. ``link-aware`` (:mod:`planner.link_bound`, clusters of 2+ regions): the prices of 3's LP
+   charge every boundary between two layers; crossing from one region to another over slow
+   node-pair links (or shared uplinks and NICs) takes boundaries that cost more than 1, and the
+   flow must cross regions (no set of regions carries it alone) - above the bound, more than the
+   LP's spare node-layers. The proof is in that module.
+
+3 ignores links (it is a relaxation of the network-free problem); the reported bound is min(1..4).
 """
 
 from __future__ import annotations
