@@ -1,6 +1,6 @@
 """Planner benchmark: our optimizer against the paper's MILP and baselines, side by side.
 
-    python bench/planner.py [--rounds 3] [--quick] [--threads 2] [--only single24|synthetic]
+    python bench/planner.py [--rounds 3] [--quick] [--threads 2] [--only single24|synthetic|geo]
 
 1. single24 (the paper's 24-node LLaMA-2 70B cluster, its own capacity model):
    ``helix`` with ``--objective max-flow`` (60 s; target >= 1.5 x 1289.56 = 1934 tok/s) and
@@ -10,6 +10,9 @@
    weighted by flow) and the KV tokens the least-provisioned layer gets.
 2. A synthetic 100-node cluster (5 GPU types, 3 regions), generated deterministically:
    ``helix`` must plan it in under 5 minutes at least as well as the best baseline.
+3. The generated geo clusters (``bench/planner_geo.py``; issue 17): per cluster the max-flow plan in 60 s
+   and 600 s, its gap to the proven link-aware bound, the baselines, and the serving objective's plan
+   against the max-flow plan in our simulator.
 
 Time to quality, in rounds (``bench/harness.py``): each round re-plans with a fresh search seed
 and records when the incumbent first reached the target (the progress reports' elapsed time):
@@ -276,13 +279,17 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="shorter time limits (smoke run)")
-    ap.add_argument("--only", choices=("single24", "synthetic"), help="run one part")
+    ap.add_argument("--only", choices=("single24", "synthetic", "geo"), help="run one part")
     add_rounds_option(ap, 3, "a fresh search seed each; the tables come from round 1")
     args = ap.parse_args()
-    if args.only != "synthetic":
+    if args.only in (None, "single24"):
         bench_single24(args.threads, args.quick, args.rounds)
-    if args.only != "single24":
+    if args.only in (None, "synthetic"):
         bench_synthetic(args.threads, args.quick, args.rounds)
+    if args.only in (None, "geo"):
+        from planner_geo import bench_geo
+
+        bench_geo(args.threads, args.quick, args.rounds, out=out, err=err, run_timed=run_timed)
     return 0
 
 

@@ -81,10 +81,15 @@ def construct(pool: CandidatePool, cap: CapacityModel, warm: list[Placement], *,
     geo = len(cap.regions()) > 1 and not cap.links_uniform()
     if geo and not scoring.expired():
         build = search.within(max(0.5, CONSTRUCTION_SHARE * limit))
-        for c in region_chains.chain_candidates(cap, deadline=build, lo=0.0, hi=coarse * (1 + 1e-6)):
+        for c in region_chains.chain_candidates(cap, deadline=build, lo=0.0, hi=coarse * (1 + 1e-6),
+                                                  serving=serving):
             if scoring.expired():
                 break
             pool.add(c, "construction: region chains")
+        for c in region_chains.parallel_candidates(cap, deadline=build, serving=serving):
+            if scoring.expired():
+                break
+            pool.add(c, "construction: separate region chains")
     if geo and not scoring.expired():
         per_region = per_region_candidate(cap, search.within(0.05 * limit), coarse)
         if per_region:

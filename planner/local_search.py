@@ -25,7 +25,10 @@ max-flow pruning and the serving objective's minimum gain (the penalty's part is
 :func:`improve` is an iterated local search: node moves (shift, grow/shrink one end, copy
 another node's range, swap two nodes' ranges, and with an ``anchor`` the way back to each
 node's range there, boundary shifts, ejection chains and shifted blocks moved back), steered at the bottleneck layers, first improvement, random restarts
-from perturbed incumbents, deterministic for a seed.
+from perturbed incumbents, deterministic for a seed. On geo clusters (several regions, links not
+uniform) a node copies ranges of its own region's nodes first, and the max-flow search also tries
+ejection chains and whole-group moves (:func:`ripple_moves`, :func:`group_moves`): a stage plan
+inside a region re-balances only through them.
 """
 
 from __future__ import annotations
@@ -127,6 +130,13 @@ def _moves(cap: CapacityModel, pl: Placement, node: str, rng: random.Random, oth
         out.append(pl[other])
     out.append((max(0, s - (top - k) // 2), min(L, max(0, s - (top - k) // 2) + top)))
     return [LayerRange(a, b) for a, b in out if 0 <= a < b <= L and b - a <= top and (a, b) != (s, e)]
+
+
+def _region_peers(cap: CapacityModel, node: str, others: list[str], rng: random.Random) -> list[str]:
+    """Up to three nodes of ``node``'s region and one of another, whose ranges ``node`` may copy."""
+    own = [n for n in others if cap.region_of[n] == cap.region_of[node]]
+    away = [n for n in others if cap.region_of[n] != cap.region_of[node]]
+    return rng.sample(own, min(3, len(own))) + rng.sample(away, min(4 - min(3, len(own)), len(away)))
 
 
 def _anchor_moves(cap: CapacityModel, pl: Placement, node: str, anchor: Placement) -> list[LayerRange]:
@@ -318,6 +328,7 @@ def improve(
     nodes = list(start)
     stall = 0
     budget_start = ev.evaluations
+    geo = len(cap.regions()) > 1 and not cap.links_uniform()
     while not deadline.expired():
         if target is not None and best.key[0] >= target:
             break
@@ -327,6 +338,8 @@ def improve(
         cand: list[tuple[str, LayerRange]] = _bottleneck_moves(cap, cur.placement, rng)
         for node in rng.sample(nodes, min(6, len(nodes))):
             others = [n for n in nodes if n != node]
+            if geo:  # copy ranges held in the node's own region (stages stay inside regions), and one other
+                others = _region_peers(cap, node, others, rng)
             cand.extend((node, r) for r in _moves(cap, cur.placement, node, rng, others))
             if anchor is not None:
                 cand.extend((node, r) for r in _anchor_moves(cap, cur.placement, node, anchor))
@@ -340,6 +353,8 @@ def improve(
                 cand.append(("", LayerRange(0, 0)))
         extra = [] if anchor is None else [*group_moves(cap, cur.placement), *ripple_moves(cap, cur.placement),
                                            *block_back_moves(cap, cur.placement, anchor)]
+        if anchor is None and geo and prune:  # whole stages move (a region's stage plan re-balances only so)
+            extra = [*ripple_moves(cap, cur.placement), *group_moves(cap, cur.placement)]
         for pl in _candidates(cur.placement, cand, swap, extra):
             if deadline.expired():
                 break

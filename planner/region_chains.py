@@ -9,21 +9,20 @@ pairs (``exit nodes x entry nodes x link``) carry the flow.
 
 For a target flow F (:func:`chains_at`):
 
-1. per region, every *group* (how many nodes of each of the region's kinds) gets its longest stage
-   ``m*(c) = max{m : sum_t c_t T_t(m) >= F}``; a knapsack over the region's node counts (numpy, one array
-   axis per kind) gives the most layers its inner stages can hold with any subset of its nodes;
-2. per region and every (entry group, exit group) of at most two kinds and a few nodes: the most layers of
-   a block that starts with the entry group and ends with the exit group (one group alone is a block too);
-3. over every order of every subset of regions (a DP over subsets, last region and exit size), the chain
+1. per region and (entry size, exit size), its best block of stages (``planner.region_blocks``: groups of
+   its nodes, each stage reaching F, the most layers);
+2. over every order of every subset of regions (a DP over subsets, last region and exit size), the chain
    whose crossings all carry F: ``a_1 x coordinator link``, ``b_i x a_(i+1) x link(r_i, r_(i+1))`` and
    ``b_k x link to the coordinator``, each also capped by the regions' shared uplinks where the cluster has
    them (a region pair's link: its slowest node pair's). A chain is feasible when its blocks hold at
-   least L layers.
+   least L layers. Of the orders of one subset that are feasible, the chain takes the one with the least
+   link latency from the coordinator through its regions and back (the max flow does not care; requests do).
 
 :func:`chain_candidates` bisects F and turns the feasible chains into placements (:func:`to_placement`):
 layers beyond L are taken from the weakest stages (raising their capacity), unused nodes join the weakest
-stage they can hold, of their own region first. The caller scores each exactly (``planner.graph``); the
-model here only proposes (within a region it assumes the links are fast).
+stage they can hold, of their own region first. :func:`parallel_candidates` puts separate chains on disjoint
+sets of regions side by side (fewer crossings per request). The caller scores each exactly
+(``planner.graph``); the model here only proposes (within a region it assumes the links are fast).
 """
 
 from __future__ import annotations
@@ -32,16 +31,17 @@ import itertools
 import math
 from dataclasses import dataclass
 
-import numpy as np
-
 from helix.domain import LayerRange, Placement
 from helix.units import link_tokens_per_s
 from planner.budget import Deadline
 from planner.capacity import CapacityModel
+from planner.graph import max_flow_value
+from planner.region_blocks import Block, RegionNodes, region_blocks
 
-MAX_BOUNDARY_NODES = 8  # the largest entry/exit group considered
-MAX_INNER_GROUPS = 400  # the knapsack's groups per region (the smallest that reach F, shortest stage last)
 MAX_CHAINS = 4  # chains built per target flow (the best per region subset)
+SHALLOW_TARGETS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5)  # serving: shallow chains at these shares of the best target
+MAX_ORDERED_REGIONS = 5  # a chain of at most this many regions takes the order of least link latency
+MAX_PARALLEL_REGIONS = 5  # separate chains side by side only on clusters of at most this many regions
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,167 +68,6 @@ class Chain:
             if not out or out[-1] != st.region:
                 out.append(st.region)
         return tuple(out)
-
-
-Vec = tuple[int, ...]
-
-
-@dataclass(slots=True)
-class _Block:
-    """A region's block for one (entry size, exit size): its layers and groups (entry, inner..., exit)."""
-
-    entry: int
-    exit: int
-    layers: int
-    groups: list[tuple[Vec, int]]
-
-
-class _Region:
-    """One region's nodes as kind counts, and its groups' longest stages at a target flow."""
-
-    def __init__(self, cap: CapacityModel, name: str | None) -> None:
-        self.name = name
-        nodes = [n for n in cap.nodes if cap.region_of[n] == name]
-        self.kinds = sorted({cap.kind_of[n] for n in nodes})
-        self.counts: Vec = tuple(sum(1 for n in nodes if cap.kind_of[n] == t) for t in self.kinds)
-        self.tables = [cap.kinds[t].tok_s for t in self.kinds]  # tok_s[m-1], up to the kind's layer cap
-
-    def longest(self, group: Vec, flow: float) -> int:
-        """``m*``: the most layers ``group`` can hold as one stage of capacity >= ``flow`` (0: none)."""
-        top = min((len(self.tables[i]) for i, c in enumerate(group) if c), default=0)
-        best = 0
-        for m in range(1, top + 1):
-            if sum(c * self.tables[i][m - 1] for i, c in enumerate(group) if c) >= flow - 1e-9:
-                best = m
-            else:
-                break
-        return best
-
-    def inner_groups(self, flow: float) -> list[tuple[Vec, int]]:
-        """Minimal groups (one node fewer of any kind holds fewer layers) with their longest stage."""
-        out: list[tuple[Vec, int]] = []
-        k = len(self.kinds)
-        for m in range(1, max(len(t) for t in self.tables) + 1):
-            able = [i for i in range(k) if len(self.tables[i]) >= m]
-            for group in _groups_reaching(self, able, m, flow):
-                got = self.longest(group, flow)
-                if got == m and all(self.longest(_minus_one(group, i), flow) < m for i in range(k) if group[i]):
-                    out.append((group, m))
-                if len(out) >= MAX_INNER_GROUPS:
-                    return out
-        return out
-
-    def boundary_groups(self, flow: float, most: int) -> list[tuple[Vec, int]]:
-        """Groups of at most two kinds and ``most`` nodes that hold >= 1 layer at ``flow``."""
-        k = len(self.kinds)
-        seen: dict[Vec, int] = {}
-        for i, j in itertools.combinations_with_replacement(range(k), 2):
-            for ci in range(0, min(most, self.counts[i]) + 1):
-                for cj in range(0, min(most - ci, self.counts[j]) + 1) if j != i else (0,):
-                    if ci + cj == 0:
-                        continue
-                    group = [0] * k
-                    group[i] += ci
-                    group[j] += cj
-                    g = tuple(group)
-                    if g not in seen:
-                        m = self.longest(g, flow)
-                        if m:
-                            seen[g] = m
-        return list(seen.items())
-
-
-def _minus_one(group: Vec, i: int) -> Vec:
-    return tuple(c - 1 if j == i else c for j, c in enumerate(group))
-
-
-def _groups_reaching(region: _Region, able: list[int], m: int, flow: float) -> list[Vec]:
-    """Groups of the kinds ``able`` (within the region's counts) whose capacity at ``m`` layers first
-    reaches ``flow`` when nodes are added in kind order (the candidates for minimal groups)."""
-    k = len(region.kinds)
-    heights = {i: region.tables[i][m - 1] for i in able}
-    out: list[Vec] = []
-    cur = [0] * k
-
-    def rec(pos: int, total: float) -> None:
-        if total >= flow - 1e-9:
-            out.append(tuple(cur))
-            return
-        if len(out) >= MAX_INNER_GROUPS:
-            return
-        if total + sum(heights[i] * (region.counts[i] - cur[i]) for i in able[pos:]) < flow - 1e-9:
-            return
-        for p in range(pos, len(able)):
-            i = able[p]
-            if cur[i] < region.counts[i]:
-                cur[i] += 1
-                rec(p, total + heights[i])
-                cur[i] -= 1
-
-    rec(0, 0.0)
-    return out
-
-
-def _knapsack(counts: Vec, items: list[tuple[Vec, int]]) -> np.ndarray:
-    """``dp[v]``: the most layers stages of ``items`` (group, layers; any number of each) hold with at most
-    ``v`` nodes of each kind."""
-    dp = np.zeros(tuple(c + 1 for c in counts), dtype=np.int32)
-    for group, m in items:
-        copies = min(counts[i] // c for i, c in enumerate(group) if c)
-        src = tuple(slice(0, n + 1 - c) for n, c in zip(counts, group, strict=True))
-        dst = tuple(slice(c, n + 1) for n, c in zip(counts, group, strict=True))
-        for _ in range(copies):
-            grown = np.maximum(dp[dst], dp[src] + m)
-            if np.array_equal(grown, dp[dst]):
-                break
-            dp[dst] = grown
-    return dp
-
-
-def _unpack(dp: np.ndarray, items: list[tuple[Vec, int]], v: Vec) -> list[tuple[Vec, int]]:
-    """The groups of a knapsack optimum at ``v`` (backtracking ``dp``)."""
-    out: list[tuple[Vec, int]] = []
-    while dp[v] > 0:
-        for group, m in items:
-            rest = tuple(a - b for a, b in zip(v, group, strict=True))
-            if min(rest) >= 0 and dp[rest] + m == dp[v]:
-                out.append((group, m))
-                v = rest
-                break
-        else:  # unreachable: the optimum's last group always matches
-            raise AssertionError("knapsack backtrack found no group")
-    return out
-
-
-def _blocks(region: _Region, flow: float, most: int) -> list[_Block]:
-    """The region's best block per (entry size, exit size), dominated ones dropped."""
-    inner = region.inner_groups(flow)
-    dp = _knapsack(region.counts, inner) if inner else None
-    ends = region.boundary_groups(flow, most)
-    best: dict[tuple[int, int], tuple[int, Vec, Vec | None]] = {}
-
-    def offer(a: int, b: int, layers: int, e: Vec, x: Vec | None) -> None:
-        if layers > best.get((a, b), (0,))[0]:
-            best[(a, b)] = (layers, e, x)
-
-    for e, me in ends:
-        offer(sum(e), sum(e), me, e, None)
-        for x, mx in ends:
-            rest = tuple(n - p - q for n, p, q in zip(region.counts, e, x, strict=True))
-            if min(rest) < 0:
-                continue
-            offer(sum(e), sum(x), me + mx + (int(dp[rest]) if dp is not None else 0), e, x)
-    out: list[_Block] = []
-    for (a, b), (layers, first, last) in best.items():
-        if any(a2 >= a and b2 >= b and l2 >= layers and (a2, b2) != (a, b) for (a2, b2), (l2, _, _) in best.items()):
-            continue
-        groups = [(first, region.longest(first, flow))]
-        if last is not None:
-            rest = tuple(n - p - q for n, p, q in zip(region.counts, first, last, strict=True))
-            groups += _unpack(dp, inner, rest) if dp is not None else []
-            groups.append((last, region.longest(last, flow)))
-        out.append(_Block(a, b, layers, groups))
-    return out
 
 
 # -- links between regions ------------------------------------------------------------------------
@@ -269,6 +108,9 @@ class _Links:
     from_coord_shared: list[float]
     to_coord: list[float]
     to_coord_shared: list[float]
+    latency_ms: list[list[float]]  # mean over node pairs, region i -> region j
+    from_coord_ms: list[float]
+    to_coord_ms: list[float]
 
     @classmethod
     def build(cls, cap: CapacityModel, regions: list[str | None]) -> _Links:
@@ -282,24 +124,36 @@ class _Links:
             from_coord_shared=[_shared_tok_s(cap, creg, r, cap.token_bytes) for r in regions],
             to_coord=[_pair_tok_s(cap, members[r], coord, tokens=True) for r in regions],
             to_coord_shared=[_shared_tok_s(cap, r, creg, cap.token_bytes) for r in regions],
+            latency_ms=[[_mean_latency_ms(cap, members[a], members[b]) for b in regions] for a in regions],
+            from_coord_ms=[_mean_latency_ms(cap, coord, members[r]) for r in regions],
+            to_coord_ms=[_mean_latency_ms(cap, members[r], coord) for r in regions],
         )
+
+    def latency(self, order: tuple[int, ...]) -> float:
+        """A request's link latency along a chain of regions (coordinator to coordinator)."""
+        hops = sum(self.latency_ms[a][b] for a, b in zip(order, order[1:], strict=False))
+        return self.from_coord_ms[order[0]] + hops + self.to_coord_ms[order[-1]]
+
+
+def _mean_latency_ms(cap: CapacityModel, src: list[str], dst: list[str]) -> float:
+    got = [cap.latency_ms.get((a, b), 0.0) for a in src for b in dst if a != b]
+    return sum(got) / len(got) if got else 0.0
 
 
 # -- chains -----------------------------------------------------------------------------------------
 
 
-def chains_at(cap: CapacityModel, flow: float, *, links: _Links | None = None, regions: list[_Region] | None = None,
+def chains_at(cap: CapacityModel, flow: float, *, links: _Links | None = None, regions: list[RegionNodes] | None = None,
               limit: int = MAX_CHAINS) -> list[Chain]:
     """The feasible region chains at ``flow`` (module docstring): the best per region subset, fewest regions
     first, then most layers; at most ``limit``."""
-    regions = regions if regions is not None else [_Region(cap, r) for r in cap.regions()]
+    regions = regions if regions is not None else [RegionNodes(cap, r) for r in cap.regions()]
     links = links if links is not None else _Links.build(cap, [r.name for r in regions])
-    most = MAX_BOUNDARY_NODES
-    blocks = [_blocks(r, flow, most) for r in regions]
+    blocks = [region_blocks(r, flow) for r in regions]
     ok = flow - 1e-9
     # state (mask, last region, exit size) -> (layers, previous state, block)
     State = tuple[int, int, int]
-    table: dict[State, tuple[int, State | None, _Block]] = {}
+    table: dict[State, tuple[int, State | None, Block]] = {}
     for r, bl in enumerate(blocks):
         for b in bl:
             if min(b.entry * links.from_coord[r], links.from_coord_shared[r]) >= ok:
@@ -326,21 +180,50 @@ def chains_at(cap: CapacityModel, flow: float, *, links: _Links | None = None, r
     ranked = sorted(finals.values(), key=lambda v: (bin(v[1][0]).count("1"), -v[0], v[1]))[:limit]
     chains = []
     for layers, key in ranked:
-        stages: list[ChainStage] = []
+        picks: list[tuple[int, Block]] = []
         state: State | None = key
         while state is not None:
             _, prev, block = table[state]
-            reg = regions[state[1]]
-            stages[:0] = [ChainStage(reg.name, tuple((reg.kinds[i], c) for i, c in enumerate(g) if c), m)
-                          for g, m in block.groups]
+            picks.insert(0, (state[1], block))
             state = prev
+        members = tuple(r for r, _ in picks)
+        if len(members) <= MAX_ORDERED_REGIONS:  # the same regions in the order of least latency
+            orders = (_along(order, blocks, links, ok) for order in itertools.permutations(members))
+            feasible = [got for got in orders if got is not None and got[0] >= cap.num_layers]
+            layers, picks = min(feasible, key=lambda g: (links.latency(tuple(r for r, _ in g[1])), -g[0]))
+        stages = [ChainStage(regions[r].name, tuple((regions[r].kinds[i], c) for i, c in enumerate(g) if c), m)
+                  for r, block in picks for g, m in block.groups]
         chains.append(Chain(flow, tuple(stages), layers))
     return chains
 
 
-def to_placement(cap: CapacityModel, chain: Chain) -> Placement:
+def _along(order: tuple[int, ...], blocks: list[list[Block]], links: _Links,
+           ok: float) -> tuple[int, list[tuple[int, Block]]] | None:
+    """The most layers a chain through the regions ``order`` holds with every crossing carrying ``ok``
+    (and its blocks), None when no choice of blocks lets it."""
+    first, last = order[0], order[-1]
+    cur: dict[int, tuple[int, list[tuple[int, Block]]]] = {}  # exit size -> (layers, blocks so far)
+    for b in blocks[first]:
+        if min(b.entry * links.from_coord[first], links.from_coord_shared[first]) >= ok and \
+                b.layers > cur.get(b.exit, (-1, []))[0]:
+            cur[b.exit] = (b.layers, [(first, b)])
+    for r, r2 in zip(order, order[1:], strict=False):
+        nxt: dict[int, tuple[int, list[tuple[int, Block]]]] = {}
+        for out, (layers, picks) in cur.items():
+            for b in blocks[r2]:
+                if min(out * b.entry * links.pair[r][r2], links.shared[r][r2]) >= ok and \
+                        layers + b.layers > nxt.get(b.exit, (-1, []))[0]:
+                    nxt[b.exit] = (layers + b.layers, [*picks, (r2, b)])
+        cur = nxt
+    ends = [got for out, got in cur.items() if min(out * links.to_coord[last], links.to_coord_shared[last]) >= ok]
+    return max(ends, key=lambda g: g[0], default=None)
+
+
+def to_placement(cap: CapacityModel, chain: Chain, *, shallow: bool = False) -> Placement:
     """Node ranges for a chain: the layers beyond L come off the weakest stages, one at a time; every
-    node the chain leaves out joins the weakest stage that it can hold (its own region's first)."""
+    node the chain leaves out joins the weakest stage that it can hold (its own region's first).
+    ``shallow``: first drop whole inner stages (neither end of a region's block), the shortest first,
+    while the layers beyond L allow it; their nodes join other stages (a shorter pipeline)."""
     free = {t: list(v) for t, v in cap.kind_nodes.items()}
     groups: list[list[str]] = []
     for st in chain.stages:
@@ -352,6 +235,19 @@ def to_placement(cap: CapacityModel, chain: Chain) -> Placement:
             group.extend(pool)
         groups.append(group)
     layers = [st.layers for st in chain.stages]
+    if shallow:
+        regions = [st.region for st in chain.stages]
+        inner = [j for j in range(1, len(regions) - 1) if regions[j - 1] == regions[j] == regions[j + 1]]
+        surplus = sum(layers) - cap.num_layers
+        for j in sorted(inner, key=lambda j: (layers[j], j)):
+            if layers[j] <= surplus:
+                surplus -= layers[j]
+                for n in groups[j]:
+                    free[cap.kind_of[n]].append(n)
+                groups[j], layers[j] = [], 0
+        keep = [j for j in range(len(layers)) if layers[j]]
+        groups, layers = [groups[j] for j in keep], [layers[j] for j in keep]
+        chain = Chain(chain.flow, tuple(chain.stages[j] for j in keep), chain.layers)
 
     def capacity(j: int) -> float:
         return sum(cap.node_capacity(n, layers[j]) for n in groups[j])
@@ -374,11 +270,12 @@ def to_placement(cap: CapacityModel, chain: Chain) -> Placement:
     return placement
 
 
-def chain_candidates(cap: CapacityModel, *, deadline: Deadline, lo: float, hi: float,
-                     rel_tol: float = 1e-3) -> list[Placement]:
+def chain_candidates(cap: CapacityModel, *, deadline: Deadline, lo: float, hi: float, rel_tol: float = 1e-3,
+                     serving: bool = False) -> list[Placement]:
     """Placements of the best chains found by bisection on the target flow in ``[lo, hi]`` (the chains of
-    every feasible target tried, best target first)."""
-    regions = [_Region(cap, r) for r in cap.regions()]
+    every feasible target tried, best target first). ``serving``: shallow chains (:func:`to_placement`) at
+    :data:`SHALLOW_TARGETS` of the best target first, then the best chain of every feasible target."""
+    regions = [RegionNodes(cap, r) for r in cap.regions()]
     links = _Links.build(cap, [r.name for r in regions])
     found: list[tuple[float, list[Chain]]] = []
     while hi - lo > rel_tol * max(hi, 1.0) and not deadline.expired():
@@ -390,6 +287,55 @@ def chain_candidates(cap: CapacityModel, *, deadline: Deadline, lo: float, hi: f
         else:
             hi = mid
     out: list[Placement] = []
+    if serving and found:
+        top = max(f for f, _ in found)
+        for share in SHALLOW_TARGETS:
+            if deadline.expired():
+                break
+            got = chains_at(cap, share * top, links=links, regions=regions, limit=1)
+            if got:
+                out.append(to_placement(cap, got[0], shallow=True))
     for _, chains in sorted(found, key=lambda f: -f[0]):
-        out.extend(to_placement(cap, c) for c in chains)
+        out.extend(to_placement(cap, c) for c in (chains[:1] if serving else chains))
     return out
+
+
+def parallel_candidates(cap: CapacityModel, *, deadline: Deadline, serving: bool = False,
+                        limit: int = 3) -> list[Placement]:
+    """Separate chains on disjoint sets of regions, side by side (each request runs one of them): every
+    subset of the regions that can hold the model gets its best chain (:func:`chain_candidates` on its
+    nodes; ``serving``: its shallow one), and the ``limit`` packings of two or more disjoint subsets with the
+    highest summed max flow are joined into placements (``serving``: also the packing of the most chains).
+    A request then crosses fewer regions; nodes of regions outside a packing stay idle."""
+    names = cap.regions()
+    if not 2 <= len(names) <= MAX_PARALLEL_REGIONS:
+        return []
+    best: dict[frozenset[str | None], tuple[float, Placement]] = {}
+    for k in range(1, len(names)):
+        for subset in itertools.combinations(names, k):
+            if deadline.expired():
+                break
+            sub = cap.subset([n for n in cap.nodes if cap.region_of[n] in subset])
+            if sum(sub.max_layers.values()) < cap.num_layers:
+                continue
+            hi = sum(max((k + 1) * t for k, t in enumerate(sub.node_tok_s[n])) for n in sub.nodes) / cap.num_layers
+            got = chain_candidates(sub, deadline=deadline, lo=0.0, hi=hi, serving=serving)
+            if got:
+                best[frozenset(subset)] = (max_flow_value(sub, got[0]), got[0])
+    packings: list[list[frozenset[str | None]]] = []
+
+    def pack(chosen: list[frozenset[str | None]], used: frozenset[str | None], rest: list[frozenset[str | None]]) -> None:
+        if len(chosen) >= 2:
+            packings.append(list(chosen))
+        for i, s in enumerate(rest):
+            if not s & used:
+                pack([*chosen, s], used | s, rest[i + 1:])
+
+    pack([], frozenset(), sorted(best, key=lambda s: sorted(str(r) for r in s)))
+    ranked = sorted(packings, key=lambda p: -sum(best[s][0] for s in p))
+    picked = ranked[:limit]
+    if serving and ranked:
+        most = max(ranked, key=lambda p: (len(p), sum(best[s][0] for s in p)))
+        if most not in picked:
+            picked.append(most)
+    return [{n: r for s in p for n, r in best[s][1].items()} for p in picked]

@@ -1,0 +1,198 @@
+"""A region's blocks of stages at a target flow (``planner.region_chains`` joins them into chains).
+
+A *group* is how many nodes of each of a region's kinds hold one stage; at a target flow F its longest
+stage is ``m*(c) = max{m : sum_t c_t T_t(m) >= F}``. A *block* (:class:`Block`) is the run of stages a
+region holds in a chain: an entry group first (the nodes the previous region hands off to), an exit group
+last (the nodes that hand off to the next), inner groups between. :func:`region_blocks` gives a region's
+best block, the most layers, for every (entry size, exit size):
+
+* the inner groups: the minimal ones (one node fewer of any kind holds fewer layers), packed by a knapsack
+  over the region's node counts (numpy, one array axis per kind; any number of each group);
+* the entry and exit groups: at most two kinds and :data:`MAX_BOUNDARY_NODES` nodes; a block may also be
+  one group alone (its entry and exit);
+* a block that another beats in entry size, exit size and layers at once is dropped.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner.capacity import CapacityModel
+
+MAX_BOUNDARY_NODES = 8  # the largest entry/exit group considered
+MAX_INNER_GROUPS = 400  # the knapsack's groups per region (the smallest that reach F, shortest stage last)
+
+Vec = tuple[int, ...]
+
+
+@dataclass(slots=True)
+class Block:
+    """A region's block for one (entry size, exit size): its layers and groups (entry, inner..., exit)."""
+
+    entry: int
+    exit: int
+    layers: int
+    groups: list[tuple[Vec, int]]
+
+
+class RegionNodes:
+    """One region's nodes as kind counts, and its groups' longest stages at a target flow."""
+
+    def __init__(self, cap: CapacityModel, name: str | None) -> None:
+        self.name = name
+        nodes = [n for n in cap.nodes if cap.region_of[n] == name]
+        self.kinds = sorted({cap.kind_of[n] for n in nodes})
+        self.counts: Vec = tuple(sum(1 for n in nodes if cap.kind_of[n] == t) for t in self.kinds)
+        self.tables = [cap.kinds[t].tok_s for t in self.kinds]  # tok_s[m-1], up to the kind's layer cap
+
+    def longest(self, group: Vec, flow: float) -> int:
+        """``m*``: the most layers ``group`` can hold as one stage of capacity >= ``flow`` (0: none)."""
+        top = min((len(self.tables[i]) for i, c in enumerate(group) if c), default=0)
+        best = 0
+        for m in range(1, top + 1):
+            if sum(c * self.tables[i][m - 1] for i, c in enumerate(group) if c) >= flow - 1e-9:
+                best = m
+            else:
+                break
+        return best
+
+    def inner_groups(self, flow: float) -> list[tuple[Vec, int]]:
+        """Minimal groups (one node fewer of any kind holds fewer layers) with their longest stage."""
+        out: list[tuple[Vec, int]] = []
+        k = len(self.kinds)
+        for m in range(1, max(len(t) for t in self.tables) + 1):
+            able = [i for i in range(k) if len(self.tables[i]) >= m]
+            for group, total in _groups_reaching(self, able, m, flow):
+                held = [i for i in range(k) if group[i]]
+                if total - min(self.tables[i][m - 1] for i in held) >= flow - 1e-9:
+                    continue  # a node fewer reaches the flow too
+                if m < min(len(self.tables[i]) for i in held) and \
+                        sum(group[i] * self.tables[i][m] for i in held) >= flow - 1e-9:
+                    continue  # it holds a layer more (found again at m + 1)
+                out.append((group, m))
+                if len(out) >= MAX_INNER_GROUPS:
+                    return out
+        return out
+
+    def boundary_groups(self, flow: float, most: int) -> list[tuple[Vec, int]]:
+        """Groups of at most two kinds and ``most`` nodes that hold >= 1 layer at ``flow``."""
+        k = len(self.kinds)
+        seen: dict[Vec, int] = {}
+        for i, j in itertools.combinations_with_replacement(range(k), 2):
+            for ci in range(0, min(most, self.counts[i]) + 1):
+                for cj in range(0, min(most - ci, self.counts[j]) + 1) if j != i else (0,):
+                    if ci + cj == 0:
+                        continue
+                    group = [0] * k
+                    group[i] += ci
+                    group[j] += cj
+                    g = tuple(group)
+                    if g not in seen:
+                        m = self.longest(g, flow)
+                        if m:
+                            seen[g] = m
+        return list(seen.items())
+
+
+def _groups_reaching(region: RegionNodes, able: list[int], m: int, flow: float) -> list[tuple[Vec, float]]:
+    """Groups of the kinds ``able`` (within the region's counts) whose capacity at ``m`` layers first
+    reaches ``flow`` when nodes are added in kind order (every minimal group among them), with that capacity."""
+    k = len(region.kinds)
+    heights = {i: region.tables[i][m - 1] for i in able}
+    out: list[tuple[Vec, float]] = []
+    cur = [0] * k
+
+    def rec(pos: int, total: float) -> None:
+        if total >= flow - 1e-9:
+            out.append((tuple(cur), total))
+            return
+        if len(out) >= MAX_INNER_GROUPS:
+            return
+        if total + sum(heights[i] * (region.counts[i] - cur[i]) for i in able[pos:]) < flow - 1e-9:
+            return
+        for p in range(pos, len(able)):
+            i = able[p]
+            if cur[i] < region.counts[i]:
+                cur[i] += 1
+                rec(p, total + heights[i])
+                cur[i] -= 1
+
+    rec(0, 0.0)
+    return out
+
+
+def _knapsack(counts: Vec, items: list[tuple[Vec, int]]) -> np.ndarray:
+    """``dp[v]``: the most layers stages of ``items`` (group, layers; any number of each) hold with at most
+    ``v`` nodes of each kind."""
+    dp = np.zeros(tuple(c + 1 for c in counts), dtype=np.int32)
+    for group, m in items:
+        copies = min(counts[i] // c for i, c in enumerate(group) if c)
+        src = tuple(slice(0, n + 1 - c) for n, c in zip(counts, group, strict=True))
+        dst = tuple(slice(c, n + 1) for n, c in zip(counts, group, strict=True))
+        for _ in range(copies):
+            grown = np.maximum(dp[dst], dp[src] + m)
+            if np.array_equal(grown, dp[dst]):
+                break
+            dp[dst] = grown
+    return dp
+
+
+def _unpack(dp: np.ndarray, items: list[tuple[Vec, int]], v: Vec) -> list[tuple[Vec, int]]:
+    """The groups of a knapsack optimum at ``v`` (backtracking ``dp``)."""
+    out: list[tuple[Vec, int]] = []
+    while dp[v] > 0:
+        for group, m in items:
+            rest = tuple(a - b for a, b in zip(v, group, strict=True))
+            if min(rest) >= 0 and dp[rest] + m == dp[v]:
+                out.append((group, m))
+                v = rest
+                break
+        else:  # unreachable: the optimum's last group always matches
+            raise AssertionError("knapsack backtrack found no group")
+    return out
+
+
+def region_blocks(region: RegionNodes, flow: float, most: int = MAX_BOUNDARY_NODES) -> list[Block]:
+    """The region's best block per (entry size, exit size), dominated ones dropped."""
+    inner = region.inner_groups(flow)
+    dp = _knapsack(region.counts, inner) if inner else None
+    ends = region.boundary_groups(flow, most)
+    best: dict[tuple[int, int], tuple[int, Vec, Vec | None]] = {}
+
+    def offer(a: int, b: int, layers: int, e: Vec, x: Vec | None) -> None:
+        if layers > best.get((a, b), (0,))[0]:
+            best[(a, b)] = (layers, e, x)
+
+    if not ends:
+        return []
+    exits = np.array([g for g, _ in ends], dtype=np.int64)  # every boundary group as an exit, at once
+    exit_layers = np.array([m for _, m in ends], dtype=np.int64)
+    exit_sizes = exits.sum(axis=1)
+    counts = np.array(region.counts, dtype=np.int64)
+    for e, me in ends:
+        offer(sum(e), sum(e), me, e, None)
+        left = counts - np.array(e, dtype=np.int64) - exits
+        fits = np.nonzero((left >= 0).all(axis=1))[0]
+        if not len(fits):
+            continue
+        inside = dp[tuple(left[fits].T)] if dp is not None else 0
+        totals = me + exit_layers[fits] + inside
+        ranked = np.argsort(-totals, kind="stable")
+        _, firsts = np.unique(exit_sizes[fits][ranked], return_index=True)  # the best exit of every size
+        for f in firsts:
+            j = fits[ranked[f]]
+            offer(sum(e), int(exit_sizes[j]), int(totals[ranked[f]]), e, tuple(int(c) for c in exits[j]))
+    out: list[Block] = []
+    for (a, b), (layers, first, last) in best.items():
+        if any(a2 >= a and b2 >= b and l2 >= layers and (a2, b2) != (a, b) for (a2, b2), (l2, _, _) in best.items()):
+            continue
+        groups = [(first, region.longest(first, flow))]
+        if last is not None:
+            rest = tuple(n - p - q for n, p, q in zip(region.counts, first, last, strict=True))
+            groups += _unpack(dp, inner, rest) if dp is not None else []
+            groups.append((last, region.longest(last, flow)))
+        out.append(Block(a, b, layers, groups))
+    return out
