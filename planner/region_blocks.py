@@ -6,8 +6,11 @@ region holds in a chain: an entry group first (the nodes the previous region han
 last (the nodes that hand off to the next), inner groups between. :func:`region_blocks` gives a region's
 best block, the most layers, for every (entry size, exit size):
 
-* the inner groups: the minimal ones (one node fewer of any kind holds fewer layers), packed by a knapsack
-  over the region's node counts (numpy, one array axis per kind; any number of each group);
+* the inner tiles (:class:`Tile`): the minimal groups (one node fewer of any kind holds fewer layers) and
+  staggered pairs of rails (strips of two lengths side by side, boundaries apart: with partial hand-offs the
+  network-free optimum often needs them, e.g. T4s holding 2 and 3 layers cover 1.2 layers a node where a
+  T4 alone covers 1), packed by a knapsack over the region's node counts (numpy, one array axis per kind;
+  any number of each tile);
 * the entry and exit groups: at most two kinds and :data:`MAX_BOUNDARY_NODES` nodes; a block may also be
   one group alone (its entry and exit);
 * a block that another beats in entry size, exit size and layers at once is dropped.
@@ -16,6 +19,7 @@ best block, the most layers, for every (entry size, exit size):
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,18 +28,33 @@ from planner.capacity import CapacityModel
 
 MAX_BOUNDARY_NODES = 8  # the largest entry/exit group considered
 MAX_INNER_GROUPS = 400  # the knapsack's groups per region (the smallest that reach F, shortest stage last)
+MAX_TILE_LAYERS = 12  # the widest staggered tile (the least common multiple of its two strip lengths)
 
 Vec = tuple[int, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class Tile:
+    """``layers`` consecutive layers of a block held by ``counts`` nodes (per kind of the region). No
+    ``rails``: one group, every node holds all the layers (a stage). ``rails`` (kind index, strip length):
+    staggered strips, each rail a run of single nodes of its kind each holding ``strip length`` layers, the
+    rails' boundaries apart (a 2-layer rail beside a 3-layer one covers 6 layers with 5 nodes); every layer
+    then gets one strip of every rail, and with partial hand-offs a request moves on through whichever
+    holds its next layer."""
+
+    counts: Vec
+    layers: int
+    rails: tuple[tuple[int, int], ...] = ()
+
+
 @dataclass(slots=True)
 class Block:
-    """A region's block for one (entry size, exit size): its layers and groups (entry, inner..., exit)."""
+    """A region's block for one (entry size, exit size): its layers and tiles (entry group, inner..., exit group)."""
 
     entry: int
     exit: int
     layers: int
-    groups: list[tuple[Vec, int]]
+    tiles: list[Tile]
 
 
 class RegionNodes:
@@ -75,6 +94,27 @@ class RegionNodes:
                 out.append((group, m))
                 if len(out) >= MAX_INNER_GROUPS:
                     return out
+        return out
+
+    def staggered(self, flow: float) -> list[Tile]:
+        """Two rails of single nodes (kinds i, j; strips of k1 != k2 layers, neither alone reaching ``flow``)
+        whose strips together reach it, over ``lcm(k1, k2)`` layers (at most :data:`MAX_TILE_LAYERS`)."""
+        out: list[Tile] = []
+        k = len(self.kinds)
+        for i, j in itertools.combinations_with_replacement(range(k), 2):
+            for k1 in range(1, len(self.tables[i]) + 1):
+                for k2 in range(1, len(self.tables[j]) + 1):
+                    if k1 == k2 or (i == j and k1 > k2):
+                        continue
+                    h1, h2 = self.tables[i][k1 - 1], self.tables[j][k2 - 1]
+                    w = math.lcm(k1, k2)
+                    if max(h1, h2) >= flow - 1e-9 or h1 + h2 < flow - 1e-9 or w > MAX_TILE_LAYERS:
+                        continue
+                    counts = [0] * k
+                    counts[i] += w // k1
+                    counts[j] += w // k2
+                    if all(c <= n for c, n in zip(counts, self.counts, strict=True)):
+                        out.append(Tile(tuple(counts), w, ((i, k1), (j, k2))))
         return out
 
     def boundary_groups(self, flow: float, most: int) -> list[tuple[Vec, int]]:
@@ -124,11 +164,12 @@ def _groups_reaching(region: RegionNodes, able: list[int], m: int, flow: float) 
     return out
 
 
-def _knapsack(counts: Vec, items: list[tuple[Vec, int]]) -> np.ndarray:
-    """``dp[v]``: the most layers stages of ``items`` (group, layers; any number of each) hold with at most
-    ``v`` nodes of each kind."""
+def _knapsack(counts: Vec, items: list[Tile]) -> np.ndarray:
+    """``dp[v]``: the most layers tiles of ``items`` (any number of each) hold with at most ``v`` nodes of each
+    kind."""
     dp = np.zeros(tuple(c + 1 for c in counts), dtype=np.int32)
-    for group, m in items:
+    for item in items:
+        group, m = item.counts, item.layers
         copies = min(counts[i] // c for i, c in enumerate(group) if c)
         src = tuple(slice(0, n + 1 - c) for n, c in zip(counts, group, strict=True))
         dst = tuple(slice(c, n + 1) for n, c in zip(counts, group, strict=True))
@@ -140,14 +181,14 @@ def _knapsack(counts: Vec, items: list[tuple[Vec, int]]) -> np.ndarray:
     return dp
 
 
-def _unpack(dp: np.ndarray, items: list[tuple[Vec, int]], v: Vec) -> list[tuple[Vec, int]]:
-    """The groups of a knapsack optimum at ``v`` (backtracking ``dp``)."""
-    out: list[tuple[Vec, int]] = []
+def _unpack(dp: np.ndarray, items: list[Tile], v: Vec) -> list[Tile]:
+    """The tiles of a knapsack optimum at ``v`` (backtracking ``dp``)."""
+    out: list[Tile] = []
     while dp[v] > 0:
-        for group, m in items:
-            rest = tuple(a - b for a, b in zip(v, group, strict=True))
-            if min(rest) >= 0 and dp[rest] + m == dp[v]:
-                out.append((group, m))
+        for item in items:
+            rest = tuple(a - b for a, b in zip(v, item.counts, strict=True))
+            if min(rest) >= 0 and dp[rest] + item.layers == dp[v]:
+                out.append(item)
                 v = rest
                 break
         else:  # unreachable: the optimum's last group always matches
@@ -157,7 +198,7 @@ def _unpack(dp: np.ndarray, items: list[tuple[Vec, int]], v: Vec) -> list[tuple[
 
 def region_blocks(region: RegionNodes, flow: float, most: int = MAX_BOUNDARY_NODES) -> list[Block]:
     """The region's best block per (entry size, exit size), dominated ones dropped."""
-    inner = region.inner_groups(flow)
+    inner = [Tile(g, m) for g, m in region.inner_groups(flow)] + region.staggered(flow)
     dp = _knapsack(region.counts, inner) if inner else None
     ends = region.boundary_groups(flow, most)
     best: dict[tuple[int, int], tuple[int, Vec, Vec | None]] = {}
@@ -189,10 +230,10 @@ def region_blocks(region: RegionNodes, flow: float, most: int = MAX_BOUNDARY_NOD
     for (a, b), (layers, first, last) in best.items():
         if any(a2 >= a and b2 >= b and l2 >= layers and (a2, b2) != (a, b) for (a2, b2), (l2, _, _) in best.items()):
             continue
-        groups = [(first, region.longest(first, flow))]
+        tiles = [Tile(first, region.longest(first, flow))]
         if last is not None:
             rest = tuple(n - p - q for n, p, q in zip(region.counts, first, last, strict=True))
-            groups += _unpack(dp, inner, rest) if dp is not None else []
-            groups.append((last, region.longest(last, flow)))
-        out.append(Block(a, b, layers, groups))
+            tiles += _unpack(dp, inner, rest) if dp is not None else []
+            tiles.append(Tile(last, region.longest(last, flow)))
+        out.append(Block(a, b, layers, tiles))
     return out

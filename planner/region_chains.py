@@ -36,7 +36,7 @@ from helix.units import link_tokens_per_s
 from planner.budget import Deadline
 from planner.capacity import CapacityModel
 from planner.graph import max_flow_value
-from planner.region_blocks import Block, RegionNodes, region_blocks
+from planner.region_blocks import Block, RegionNodes, Tile, region_blocks
 
 MAX_CHAINS = 4  # chains built per target flow (the best per region subset)
 SHALLOW_TARGETS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5)  # serving: shallow chains at these shares of the best target
@@ -51,6 +51,7 @@ class ChainStage:
     region: str | None
     members: tuple[tuple[str, int], ...]
     layers: int
+    rails: tuple[tuple[str, int], ...] = ()  # staggered strips (kind, strip length): planner.region_blocks.Tile
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,13 +87,12 @@ def _pair_tok_s(cap: CapacityModel, src: list[str], dst: list[str], *, tokens: b
 
 
 def _shared_tok_s(cap: CapacityModel, src: str | None, dst: str | None, nbytes: int) -> float:
-    """What the shared uplink of ``src``'s region and downlink of ``dst``'s carry, in tokens/s (inf: none)."""
-    if src == dst:
+    """What the shared uplink of ``src``'s region and downlink of ``dst``'s carry, in tokens/s (inf: none;
+    traffic between the same region, or to or from no region, crosses none: ``CapacityModel.crosses_regions``)."""
+    if src is None or dst is None or src == dst:
         return math.inf
     got = math.inf
-    up = getattr(cap, "region_uplink_gbps", {}) or {}
-    down = getattr(cap, "region_downlink_gbps", {}) or {}
-    for gbps in (up.get(src or ""), down.get(dst or "")):
+    for gbps in (cap.region_uplink_gbps.get(src), cap.region_downlink_gbps.get(dst)):
         if gbps is not None:
             got = min(got, link_tokens_per_s(gbps, nbytes))
     return got
@@ -116,7 +116,7 @@ class _Links:
     def build(cls, cap: CapacityModel, regions: list[str | None]) -> _Links:
         members = {r: [n for n in cap.nodes if cap.region_of[n] == r] for r in regions}
         coord = [cap.coordinator]
-        creg = getattr(cap, "coordinator_region", None)
+        creg = cap.coordinator_region
         return cls(
             pair=[[_pair_tok_s(cap, members[a], members[b], tokens=False) for b in regions] for a in regions],
             shared=[[_shared_tok_s(cap, a, b, cap.activation_bytes) for b in regions] for a in regions],
@@ -191,10 +191,14 @@ def chains_at(cap: CapacityModel, flow: float, *, links: _Links | None = None, r
             orders = (_along(order, blocks, links, ok) for order in itertools.permutations(members))
             feasible = [got for got in orders if got is not None and got[0] >= cap.num_layers]
             layers, picks = min(feasible, key=lambda g: (links.latency(tuple(r for r, _ in g[1])), -g[0]))
-        stages = [ChainStage(regions[r].name, tuple((regions[r].kinds[i], c) for i, c in enumerate(g) if c), m)
-                  for r, block in picks for g, m in block.groups]
+        stages = [_stage(regions[r], t) for r, block in picks for t in block.tiles]
         chains.append(Chain(flow, tuple(stages), layers))
     return chains
+
+
+def _stage(region: RegionNodes, tile: Tile) -> ChainStage:
+    return ChainStage(region.name, tuple((region.kinds[i], c) for i, c in enumerate(tile.counts) if c), tile.layers,
+                      tuple((region.kinds[i], k) for i, k in tile.rails))
 
 
 def _along(order: tuple[int, ...], blocks: list[list[Block]], links: _Links,
@@ -223,20 +227,22 @@ def to_placement(cap: CapacityModel, chain: Chain, *, shallow: bool = False) -> 
     """Node ranges for a chain: the layers beyond L come off the weakest stages, one at a time; every
     node the chain leaves out joins the weakest stage that it can hold (its own region's first).
     ``shallow``: first drop whole inner stages (neither end of a region's block), the shortest first,
-    while the layers beyond L allow it; their nodes join other stages (a shorter pipeline)."""
+    while the layers beyond L allow it; their nodes join other stages (a shorter pipeline). Staggered
+    tiles keep their width and take no leftovers."""
     free = {t: list(v) for t, v in cap.kind_nodes.items()}
-    groups: list[list[str]] = []
-    for st in chain.stages:
-        group: list[str] = []
-        for kind, count in st.members:
-            pool = [n for n in free[kind] if cap.region_of[n] == st.region][:count]
-            for n in pool:
-                free[kind].remove(n)
-            group.extend(pool)
-        groups.append(group)
-    layers = [st.layers for st in chain.stages]
+
+    def take(kind: str, count: int, region: str | None) -> list[str]:
+        got = [n for n in free[kind] if cap.region_of[n] == region][:count]
+        for n in got:
+            free[kind].remove(n)
+        return got
+
+    stages = list(chain.stages)
+    groups = [[n for kind, k in st.rails for n in take(kind, st.layers // k, st.region)] if st.rails
+              else [n for kind, count in st.members for n in take(kind, count, st.region)] for st in stages]
+    layers = [st.layers for st in stages]
     if shallow:
-        regions = [st.region for st in chain.stages]
+        regions = [st.region for st in stages]
         inner = [j for j in range(1, len(regions) - 1) if regions[j - 1] == regions[j] == regions[j + 1]]
         surplus = sum(layers) - cap.num_layers
         for j in sorted(inner, key=lambda j: (layers[j], j)):
@@ -246,28 +252,36 @@ def to_placement(cap: CapacityModel, chain: Chain, *, shallow: bool = False) -> 
                     free[cap.kind_of[n]].append(n)
                 groups[j], layers[j] = [], 0
         keep = [j for j in range(len(layers)) if layers[j]]
-        groups, layers = [groups[j] for j in keep], [layers[j] for j in keep]
-        chain = Chain(chain.flow, tuple(chain.stages[j] for j in keep), chain.layers)
+        stages, groups, layers = [stages[j] for j in keep], [groups[j] for j in keep], [layers[j] for j in keep]
 
     def capacity(j: int) -> float:
         return sum(cap.node_capacity(n, layers[j]) for n in groups[j])
 
+    plain = [j for j, st in enumerate(stages) if not st.rails]
     for _ in range(sum(layers) - cap.num_layers):
-        j = min((j for j in range(len(layers)) if layers[j] > 1), key=capacity)
-        layers[j] -= 1
+        trim = [j for j in plain if layers[j] > 1]
+        if not trim:
+            break  # what is left over is cut off the end below
+        layers[min(trim, key=capacity)] -= 1
     left = sorted((n for v in free.values() for n in v), key=lambda n: (-cap.node_capacity(n, 1), cap.nodes.index(n)))
     for n in left:
-        fits = [j for j in range(len(layers)) if layers[j] <= cap.max_layers[n]]
-        own = [j for j in fits if chain.stages[j].region == cap.region_of[n]]
+        fits = [j for j in plain if layers[j] <= cap.max_layers[n]]
+        own = [j for j in fits if stages[j].region == cap.region_of[n]]
         if fits:
             groups[min(own or fits, key=capacity)].append(n)
     placement: Placement = {}
     start = 0
-    for group, m in zip(groups, layers, strict=True):
-        for n in group:
-            placement[n] = LayerRange(start, start + m)
+    for st, group, m in zip(stages, groups, layers, strict=True):
+        if st.rails:
+            nodes = iter(group)
+            for _, k in st.rails:
+                for a in range(start, start + m, k):
+                    placement[next(nodes)] = LayerRange(a, a + k)
+        else:
+            for n in group:
+                placement[n] = LayerRange(start, start + m)
         start += m
-    return placement
+    return {n: LayerRange(r.start, min(r.end, cap.num_layers)) for n, r in placement.items() if r.start < cap.num_layers}
 
 
 def chain_candidates(cap: CapacityModel, *, deadline: Deadline, lo: float, hi: float, rel_tol: float = 1e-3,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from helix.domain import Placement
-from planner import bounds, region_chains, stages
+from planner import bounds, region_blocks, region_chains, stages
 from planner.budget import Deadline
 from planner.capacity import CapacityModel
 from planner.graph import max_flow_value
@@ -104,3 +104,38 @@ def test_shallow_chains_have_fewer_stages() -> None:
     deep, shallow = region_chains.to_placement(cap, chain), region_chains.to_placement(cap, chain, shallow=True)
     assert len(set(shallow.values())) < len(set(deep.values()))
     assert max_flow_value(cap, shallow) >= 350.0 * (1 - 1e-9)
+
+
+def test_chains_respect_shared_uplinks() -> None:
+    """Every chain crosses regions (none holds the model alone); with a 0.0004 Gbit/s uplink on every region
+    (391 activation tokens/s) no chain aims above that, and the placement it gives carries what it aims at
+    under the uplinks (planner.graph)."""
+    cluster, profiles = tiny(layers=10, nodes=NODES, geo=True)
+    data = cluster.model_dump()
+    data["defaults"]["inter_region"]["bandwidth_gbps"] = 1.0  # node pairs alone would not bind
+    free = CapacityModel.build(type(cluster).model_validate(data), profiles)
+    data["regions"] = {r: {"uplink_gbps": 0.0004} for r in ("east", "west", "north")}
+    cap = CapacityModel.build(type(cluster).model_validate(data), profiles)
+    limit = cap.region_uplink_tok_s("east")
+    assert limit is not None
+    assert region_chains.chains_at(free, 1.2 * limit) and not region_chains.chains_at(cap, 1.2 * limit)
+    chains = region_chains.chains_at(cap, 0.95 * limit)
+    assert chains and all(len(c.regions) >= 2 for c in chains)
+    assert max_flow_value(cap, region_chains.to_placement(cap, chains[0])) >= 0.95 * limit * (1 - 1e-9)
+
+
+def test_staggered_rails_hold_more_layers_than_groups() -> None:
+    """Ten "mid" nodes (T = 700, 330, 200 for 1-3 layers) at 500 tok/s: a node alone holds 1 layer, two side by
+    side 2, so groups hold 10 layers at most; strips of 2 and 3 layers staggered (330 + 200 = 530 on every
+    layer) hold 6 layers with 5 nodes. The chain's placement carries the target exactly."""
+    cluster, profiles = tiny(layers=14, nodes=[(f"e{i}", "mid", "east") for i in range(10)]
+                             + [(f"w{i}", "mid", "west") for i in range(4)], geo=True)
+    cap = CapacityModel.build(cluster, profiles)
+    east = region_blocks.RegionNodes(cap, "east")
+    blocks = region_blocks.region_blocks(east, 480.0)
+    best = max(blocks, key=lambda b: b.layers)
+    assert best.layers > 10 and any(t.rails for t in best.tiles)
+    chains = region_chains.chains_at(cap, 480.0)
+    assert chains and any(st.rails for st in chains[0].stages)
+    pl = region_chains.to_placement(cap, chains[0])
+    assert max_flow_value(cap, pl) >= 480.0 * (1 - 1e-9)
