@@ -174,3 +174,24 @@ def test_expired_deadline_returns_the_upper_value(tmp_path: Path) -> None:
     done = Deadline.after(0.0)
     assert link_bound(cap, lower=900.0, upper=2045.0, alone={}, deadline=done) == 2045.0
     assert len(Groups.of(cap).names) == 3
+
+
+def test_shared_uplinks_cap_the_bound(tmp_path: Path) -> None:
+    # every path crosses regions at least once (no region holds the model), and all crossings share the
+    # three regions' uplinks: the bound is at most their sum, and the planner's placement stays below it
+    from planner.optimize import optimize
+    from planner.options import PlannerOptions
+
+    path = geo.write_geo_cluster(tmp_path, 1, 24)
+    doc = yaml.safe_load(path.read_text())
+    doc["regions"] = {r: {"uplink_gbps": 0.04} for r in ("us-east", "us-west", "eu-west")}
+    path.write_text(yaml.safe_dump(doc))
+    spec = load_cluster(path)
+    profiles = load_profiles_for(spec)
+    cap = CapacityModel.build(spec, profiles)
+    uplinks = sum(cap.region_uplink_tok_s(r) or 0.0 for r in ("us-east", "us-west", "eu-west"))
+    got = bounds.upper_bound(cap, achieved=100.0)
+    assert got.tok_s <= uplinks * (1 + 1e-3)
+    assert got.tok_s < network_free(cap) / 1.5
+    res = optimize(spec, profiles, PlannerOptions(objective="max-flow", time_limit_s=4, simulate=False))
+    assert res.max_flow_tok_s <= got.tok_s * (1 + 1e-9)
