@@ -100,10 +100,12 @@ def _max_flow(g: nx.DiGraph) -> tuple[float, dict[str, dict[str, float]], nx.DiG
     if not any(row.overloaded(loads) for row in rows):
         return float(value), flow, g
     full_only, every = restricted(g, rows, SOURCE, SINK, float(value))
-    value, flow = nx.maximum_flow(full_only, SOURCE, SINK, flow_func=nx.algorithms.flow.preflow_push)
+    # not preflow-push: on capacities an LP wrote (saturated exactly, to the last bit) networkx's
+    # preflow-push can overrun its height levels (IndexError); augmenting paths have no such state
+    value, flow = nx.maximum_flow(full_only, SOURCE, SINK, flow_func=nx.algorithms.flow.edmonds_karp)
     if not any(row.overloaded(graph_edge_flows(flow, rows)) for row in rows):
         return float(value), flow, full_only
-    value, flow = nx.maximum_flow(every, SOURCE, SINK, flow_func=nx.algorithms.flow.preflow_push)
+    value, flow = nx.maximum_flow(every, SOURCE, SINK, flow_func=nx.algorithms.flow.edmonds_karp)
     return float(value), flow, every
 
 
@@ -161,7 +163,9 @@ def max_flow_value(cap: CapacityModel, placement: Mapping[str, tuple[int, int]],
 
 def min_cut_description(g: nx.DiGraph, cap: CapacityModel) -> list[str]:
     """Human-readable edges of a minimum cut: the nodes and links that limit throughput."""
-    _, (reach, _) = nx.minimum_cut(g, SOURCE, SINK, flow_func=nx.algorithms.flow.preflow_push)
+    # a graph with shared capacities may carry LP-written capacities: augmenting paths (see _max_flow)
+    func = nx.algorithms.flow.edmonds_karp if g.graph.get("shared") else nx.algorithms.flow.preflow_push
+    _, (reach, _) = nx.minimum_cut(g, SOURCE, SINK, flow_func=func)
     coord = cap.coordinator
     out: list[str] = []
     for u in reach:

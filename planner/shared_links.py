@@ -39,6 +39,7 @@ from planner.capacity import CapacityModel
 K = TypeVar("K", bound=Hashable)
 
 SHARED_TOLERANCE = 1e-6  # relative: a group's load may exceed its limit by this much (solver round-off)
+LP_ZERO = 1e-9  # an LP flow below this share of the unshared max flow is the solver's round-off: none
 
 
 @dataclass(slots=True, frozen=True)
@@ -119,7 +120,8 @@ def restricted(g: nx.DiGraph, rows: list[SharedCapacity[tuple[str, str]]], sourc
     sol = m.solve(time_limit_s=60.0, threads=1)
     if sol.status != "optimal" or len(sol.x) != len(edges):
         raise HelixError(f"the max-flow LP with shared link capacities: HiGHS ended {sol.status}")
-    lp_flow = {key: max(0.0, sol.x[j]) * scale for key, j in idx.items()}
+    # the solver's round-off (flows of 1e-12) would become capacities networkx's preflow-push trips on
+    lp_flow = {key: (x if x > LP_ZERO else 0.0) * scale for key, j in idx.items() for x in (sol.x[j],)}
     full_only, every = g.copy(), g.copy()
     for row in rows:
         full = row.load(lp_flow) >= row.bytes_per_s * (1 - SHARED_TOLERANCE)

@@ -159,3 +159,34 @@ def test_the_planner_keeps_activations_within_the_shared_uplink(tmp_path: Path) 
         shared = make_plan(*load(shared_path), objective=objective, time_limit_s=4, threads=1)
         assert gbit_across(shared_path, shared.flows) <= 0.1 * (1 + 1e-6), objective
         assert 700 < shared.max_flow_tok_s <= 0.1e9 / 8 / (8192 * 2) * (1 + 1e-6), objective  # all through one crossing
+
+
+def test_a_binding_downlink_on_lp_written_capacities_evaluates(tmp_path: Path) -> None:
+    """Found by the link bound's random sweep: region rc's downlink binds, the LP lowers the grouped
+    links to its flows, and networkx's preflow-push overran its height levels on that graph
+    (IndexError). The flow is the downlink's: n0 -> n2 alone may carry it (n1 -> n2 shares it)."""
+    profiles = {
+        "models": {"tiny": {"num_layers": 4, "hidden_size": 64, "dtype_bytes": 2, "layer_weight_bytes": 1e6,
+                            "kv_bytes_per_token_per_layer": 256}},
+        "gpus": {"g1": {"vram_gb": 8, "throughput": {"tiny": {"max_layers": 3, "tok_s": [585.0, 328.4, 184.2]}}},
+                 "g2": {"vram_gb": 8, "throughput": {"tiny": {"max_layers": 2, "tok_s": [1714.6, 855.3]}}}},
+    }  # fmt: skip
+    nodes = [{"id": "n0", "gpu": "g1", "region": "ra"},
+             {"id": "n1", "gpu": "g2", "region": "rb", "nic_gbps": 0.0007358477355730332},
+             {"id": "n2", "gpu": "g2", "region": "rc"},
+             {"id": "n3", "gpu": "g1", "region": "ra", "nic_gbps": 0.0008398133064455337}]  # fmt: skip
+    doc = {"name": "tiny106", "model": "tiny", "profiles": "profiles.yaml", "coordinator": {"region": "ra"},
+           "nodes": nodes, "regions": {"rb": {"uplink_gbps": 0.0005253140959647158},
+                                       "rc": {"uplink_gbps": 0.0003646543634306987}},
+           "defaults": {"intra_region": {"bandwidth_gbps": 10, "latency_ms": 1},
+                        "inter_region": {"bandwidth_gbps": 0.0004557839501296754, "latency_ms": 50}}}  # fmt: skip
+    (tmp_path / "profiles.yaml").write_text(yaml.safe_dump(profiles))
+    (tmp_path / "cluster.yaml").write_text(yaml.safe_dump(doc))
+    cap = CapacityModel.build(*load(tmp_path / "cluster.yaml"))
+    placement = {"n0": (1, 2), "n1": (0, 2), "n2": (2, 4), "n3": (0, 1)}
+    downlink = 0.0003646543634306987 * 1e9 / 8 / ACT_BYTES  # rc's downlink in activation tok/s: 356.1
+    assert max_flow_value(cap, placement) == pytest.approx(downlink, rel=1e-6)
+    res = evaluate(cap, placement)
+    assert res.max_flow_tok_s == pytest.approx(downlink, rel=1e-6)
+    assert any("region rc downlink full" in b for b in res.bottleneck), res.bottleneck
+    check_flows(cap, placement, res.flows)
