@@ -4,16 +4,20 @@ A *group* is how many nodes of each of a region's kinds hold one stage; at a tar
 stage is ``m*(c) = max{m : sum_t c_t T_t(m) >= F}``. A *block* (:class:`Block`) is the run of stages a
 region holds in a chain: an entry group first (the nodes the previous region hands off to), an exit group
 last (the nodes that hand off to the next), inner groups between. :func:`region_blocks` gives a region's
-best block, the most layers, for every (entry size, exit size):
+best block, the most layers, for every (entry size, exit size, balanced ends or not):
 
 * the inner tiles (:class:`Tile`): the minimal groups (one node fewer of any kind holds fewer layers) and
   staggered pairs of rails (strips of two lengths side by side, boundaries apart: with partial hand-offs the
   network-free optimum often needs them, e.g. T4s holding 2 and 3 layers cover 1.2 layers a node where a
   T4 alone covers 1), packed by a knapsack over the region's node counts (numpy, one array axis per kind;
   any number of each tile);
-* the entry and exit groups: at most two kinds and :data:`MAX_BOUNDARY_NODES` nodes; a block may also be
-  one group alone (its entry and exit);
-* a block that another beats in entry size, exit size and layers at once is dropped.
+* the entry and exit groups: at most two kinds and :data:`MAX_BOUNDARY_NODES` nodes, each as long as it can
+  be and, where shorter, *balanced* (every node carries at least its share of F: a crossing then carries
+  ``exit nodes x entry nodes x link``; a T4 holding 4 layers beside an L4 would cap its links at 758); a
+  block may also be one group alone (its entry and exit); a block carries its end groups' node capacities
+  (``planner.region_chains`` prices crossings with them);
+* a block that another beats in entry size, exit size and layers at once is dropped (a balanced one only by
+  a balanced one).
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ class Block:
     exit: int
     layers: int
     tiles: list[Tile]
+    entry_caps: tuple[float, ...]  # tokens/s of every node of the entry group and of the exit group
+    exit_caps: tuple[float, ...]
 
 
 class RegionNodes:
@@ -67,12 +73,16 @@ class RegionNodes:
         self.counts: Vec = tuple(sum(1 for n in nodes if cap.kind_of[n] == t) for t in self.kinds)
         self.tables = [cap.kinds[t].tok_s for t in self.kinds]  # tok_s[m-1], up to the kind's layer cap
 
-    def longest(self, group: Vec, flow: float) -> int:
-        """``m*``: the most layers ``group`` can hold as one stage of capacity >= ``flow`` (0: none)."""
+    def longest(self, group: Vec, flow: float, *, balanced: bool = False) -> int:
+        """``m*``: the most layers ``group`` can hold as one stage of capacity >= ``flow`` (0: none).
+        ``balanced``: every node also carries its share, ``flow / size`` (a crossing's group: each node then
+        takes what its links to the other side bring, so the crossing carries ``nodes x nodes x link``)."""
         top = min((len(self.tables[i]) for i, c in enumerate(group) if c), default=0)
+        share = flow / max(1, sum(group)) - 1e-9 if balanced else 0.0
         best = 0
         for m in range(1, top + 1):
-            if sum(c * self.tables[i][m - 1] for i, c in enumerate(group) if c) >= flow - 1e-9:
+            heights = [self.tables[i][m - 1] for i, c in enumerate(group) if c]
+            if sum(c * self.tables[i][m - 1] for i, c in enumerate(group) if c) >= flow - 1e-9 and min(heights) >= share:
                 best = m
             else:
                 break
@@ -117,10 +127,15 @@ class RegionNodes:
                         out.append(Tile(tuple(counts), w, ((i, k1), (j, k2))))
         return out
 
-    def boundary_groups(self, flow: float, most: int) -> list[tuple[Vec, int]]:
-        """Groups of at most two kinds and ``most`` nodes that hold >= 1 layer at ``flow``."""
+    def node_caps(self, tile: Tile) -> tuple[float, ...]:
+        """Every node's tokens/s in a group tile (what it can pass on across a crossing)."""
+        return tuple(self.tables[i][tile.layers - 1] for i, c in enumerate(tile.counts) for _ in range(c))
+
+    def boundary_groups(self, flow: float, most: int) -> list[tuple[Tile, bool]]:
+        """Groups of at most two kinds and ``most`` nodes that hold >= 1 layer at ``flow``, each as long as it
+        can (``False``) and, where that differs, as long as it can balanced (:meth:`longest`; ``True``)."""
         k = len(self.kinds)
-        seen: dict[Vec, int] = {}
+        seen: dict[Vec, list[tuple[Tile, bool]]] = {}
         for i, j in itertools.combinations_with_replacement(range(k), 2):
             for ci in range(0, min(most, self.counts[i]) + 1):
                 for cj in range(0, min(most - ci, self.counts[j]) + 1) if j != i else (0,):
@@ -131,10 +146,9 @@ class RegionNodes:
                     group[j] += cj
                     g = tuple(group)
                     if g not in seen:
-                        m = self.longest(g, flow)
-                        if m:
-                            seen[g] = m
-        return list(seen.items())
+                        m, mb = self.longest(g, flow), self.longest(g, flow, balanced=True)
+                        seen[g] = ([(Tile(g, m), False)] if m > mb else []) + ([(Tile(g, mb), True)] if mb else [])
+        return [end for ends in seen.values() for end in ends]
 
 
 def _groups_reaching(region: RegionNodes, able: list[int], m: int, flow: float) -> list[tuple[Vec, float]]:
@@ -197,43 +211,46 @@ def _unpack(dp: np.ndarray, items: list[Tile], v: Vec) -> list[Tile]:
 
 
 def region_blocks(region: RegionNodes, flow: float, most: int = MAX_BOUNDARY_NODES) -> list[Block]:
-    """The region's best block per (entry size, exit size), dominated ones dropped."""
+    """The region's best block per (entry size, exit size, whether both ends are balanced), dominated ones
+    dropped (a balanced block is beaten only by a balanced one)."""
     inner = [Tile(g, m) for g, m in region.inner_groups(flow)] + region.staggered(flow)
     dp = _knapsack(region.counts, inner) if inner else None
     ends = region.boundary_groups(flow, most)
-    best: dict[tuple[int, int], tuple[int, Vec, Vec | None]] = {}
-
-    def offer(a: int, b: int, layers: int, e: Vec, x: Vec | None) -> None:
-        if layers > best.get((a, b), (0,))[0]:
-            best[(a, b)] = (layers, e, x)
-
     if not ends:
         return []
-    exits = np.array([g for g, _ in ends], dtype=np.int64)  # every boundary group as an exit, at once
-    exit_layers = np.array([m for _, m in ends], dtype=np.int64)
-    exit_sizes = exits.sum(axis=1)
+    best: dict[tuple[int, int, bool], tuple[int, Tile, Tile | None]] = {}
+
+    def offer(key: tuple[int, int, bool], layers: int, e: Tile, x: Tile | None) -> None:
+        if layers > best.get(key, (0,))[0]:
+            best[key] = (layers, e, x)
+
+    exits = np.array([t.counts for t, _ in ends], dtype=np.int64)  # every boundary group as an exit, at once
+    exit_layers = np.array([t.layers for t, _ in ends], dtype=np.int64)
+    exit_keys = 2 * exits.sum(axis=1) + np.array([ok for _, ok in ends], dtype=np.int64)  # size, balanced
     counts = np.array(region.counts, dtype=np.int64)
-    for e, me in ends:
-        offer(sum(e), sum(e), me, e, None)
-        left = counts - np.array(e, dtype=np.int64) - exits
+    for e, e_ok in ends:
+        a = sum(e.counts)
+        offer((a, a, e_ok), e.layers, e, None)
+        left = counts - np.array(e.counts, dtype=np.int64) - exits
         fits = np.nonzero((left >= 0).all(axis=1))[0]
         if not len(fits):
             continue
         inside = dp[tuple(left[fits].T)] if dp is not None else 0
-        totals = me + exit_layers[fits] + inside
+        totals = e.layers + exit_layers[fits] + inside
         ranked = np.argsort(-totals, kind="stable")
-        _, firsts = np.unique(exit_sizes[fits][ranked], return_index=True)  # the best exit of every size
+        _, firsts = np.unique(exit_keys[fits][ranked], return_index=True)  # the best exit of every key
         for f in firsts:
-            j = fits[ranked[f]]
-            offer(sum(e), int(exit_sizes[j]), int(totals[ranked[f]]), e, tuple(int(c) for c in exits[j]))
+            x, x_ok = ends[int(fits[ranked[f]])]
+            offer((a, sum(x.counts), e_ok and x_ok), int(totals[ranked[f]]), e, x)
     out: list[Block] = []
-    for (a, b), (layers, first, last) in best.items():
-        if any(a2 >= a and b2 >= b and l2 >= layers and (a2, b2) != (a, b) for (a2, b2), (l2, _, _) in best.items()):
+    for (a, b, ok), (layers, first, last) in best.items():
+        if any(a2 >= a and b2 >= b and l2 >= layers and (ok2 or not ok) and (a2, b2, ok2) != (a, b, ok)
+               for (a2, b2, ok2), (l2, _, _) in best.items()):
             continue
-        tiles = [Tile(first, region.longest(first, flow))]
+        tiles = [first]
         if last is not None:
-            rest = tuple(n - p - q for n, p, q in zip(region.counts, first, last, strict=True))
+            rest = tuple(n - p - q for n, p, q in zip(region.counts, first.counts, last.counts, strict=True))
             tiles += _unpack(dp, inner, rest) if dp is not None else []
-            tiles.append(Tile(last, region.longest(last, flow)))
-        out.append(Block(a, b, layers, tiles))
+            tiles.append(last)
+        out.append(Block(a, b, layers, tiles, region.node_caps(first), region.node_caps(last or first)))
     return out

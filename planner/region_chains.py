@@ -11,10 +11,11 @@ For a target flow F (:func:`chains_at`):
 
 1. per region and (entry size, exit size), its best block of stages (``planner.region_blocks``: groups of
    its nodes, each stage reaching F, the most layers);
-2. over every order of every subset of regions (a DP over subsets, last region and exit size), the chain
-   whose crossings all carry F: ``a_1 x coordinator link``, ``b_i x a_(i+1) x link(r_i, r_(i+1))`` and
-   ``b_k x link to the coordinator``, each also capped by the regions' shared uplinks where the cluster has
-   them (a region pair's link: its slowest node pair's). A chain is feasible when its blocks hold at
+2. over every order of every subset of regions (a DP over subsets, last region and its block), the chain
+   whose crossings all carry F: from the coordinator into the first entry group, from every exit group into
+   the next entry group (``exit nodes x entry nodes x link``, each node at most its own capacity) and back
+   to the coordinator, each also capped by the regions' shared uplinks where the cluster has them (a region
+   pair's link: its slowest node pair's). A chain is feasible when its blocks hold at
    least L layers. Of the orders of one subset that are feasible, the chain takes the one with the least
    link latency from the coordinator through its regions and back (the max flow does not care; requests do).
 
@@ -129,6 +130,21 @@ class _Links:
             to_coord_ms=[_mean_latency_ms(cap, members[r], coord) for r in regions],
         )
 
+    def into(self, r: int, entry: tuple[float, ...]) -> float:
+        """Tokens/s the coordinator's links into region ``r``'s entry group (nodes' capacities) carry."""
+        return min(sum(min(c, self.from_coord[r]) for c in entry), self.from_coord_shared[r])
+
+    def out_of(self, r: int, exit_: tuple[float, ...]) -> float:
+        """Tokens/s region ``r``'s exit group passes back to the coordinator."""
+        return min(sum(min(c, self.to_coord[r]) for c in exit_), self.to_coord_shared[r])
+
+    def across(self, r: int, r2: int, exit_: tuple[float, ...], entry: tuple[float, ...]) -> float:
+        """Tokens/s from region ``r``'s exit group to ``r2``'s entry group: every pair's link, each node at most
+        its own capacity, the shared uplinks (each side's nodes against all the other side's links)."""
+        bw = self.pair[r][r2]
+        return min(sum(min(c, len(exit_) * bw) for c in entry), sum(min(c, len(entry) * bw) for c in exit_),
+                   self.shared[r][r2])
+
     def latency(self, order: tuple[int, ...]) -> float:
         """A request's link latency along a chain of regions (coordinator to coordinator)."""
         hops = sum(self.latency_ms[a][b] for a, b in zip(order, order[1:], strict=False))
@@ -151,30 +167,27 @@ def chains_at(cap: CapacityModel, flow: float, *, links: _Links | None = None, r
     links = links if links is not None else _Links.build(cap, [r.name for r in regions])
     blocks = [region_blocks(r, flow) for r in regions]
     ok = flow - 1e-9
-    # state (mask, last region, exit size) -> (layers, previous state, block)
+    # state (mask, last region, its block) -> (layers, previous state)
     State = tuple[int, int, int]
-    table: dict[State, tuple[int, State | None, Block]] = {}
+    table: dict[State, tuple[int, State | None]] = {}
     for r, bl in enumerate(blocks):
-        for b in bl:
-            if min(b.entry * links.from_coord[r], links.from_coord_shared[r]) >= ok:
-                key = (1 << r, r, b.exit)
-                if b.layers > table.get(key, (-1,))[0]:
-                    table[key] = (b.layers, None, b)
+        for j, b in enumerate(bl):
+            if links.into(r, b.entry_caps) >= ok:
+                table[(1 << r, r, j)] = (b.layers, None)
     for mask in range(1, 1 << len(regions)):
-        for (m, r, out), (layers, _, _) in [(k, v) for k, v in table.items() if k[0] == mask]:
+        for (m, r, j), (layers, _) in [(k, v) for k, v in table.items() if k[0] == mask]:
+            out = blocks[r][j].exit_caps
             for r2, bl in enumerate(blocks):
                 if mask & (1 << r2):
                     continue
-                for b in bl:
-                    if min(out * b.entry * links.pair[r][r2], links.shared[r][r2]) < ok:
-                        continue
-                    key = (m | (1 << r2), r2, b.exit)
-                    if layers + b.layers > table.get(key, (-1,))[0]:
-                        table[key] = (layers + b.layers, (m, r, out), b)
+                for j2, b in enumerate(bl):
+                    key = (m | (1 << r2), r2, j2)
+                    if layers + b.layers > table.get(key, (-1,))[0] and links.across(r, r2, out, b.entry_caps) >= ok:
+                        table[key] = (layers + b.layers, (m, r, j))
     finals: dict[int, tuple[int, State]] = {}  # mask -> best feasible end state
-    for key, (layers, _, _) in table.items():
-        mask, r, out = key
-        if layers >= cap.num_layers and min(out * links.to_coord[r], links.to_coord_shared[r]) >= ok:
+    for key, (layers, _) in table.items():
+        mask, r, j = key
+        if layers >= cap.num_layers and links.out_of(r, blocks[r][j].exit_caps) >= ok:
             if layers > finals.get(mask, (-1,))[0]:
                 finals[mask] = (layers, key)
     ranked = sorted(finals.values(), key=lambda v: (bin(v[1][0]).count("1"), -v[0], v[1]))[:limit]
@@ -183,9 +196,8 @@ def chains_at(cap: CapacityModel, flow: float, *, links: _Links | None = None, r
         picks: list[tuple[int, Block]] = []
         state: State | None = key
         while state is not None:
-            _, prev, block = table[state]
-            picks.insert(0, (state[1], block))
-            state = prev
+            picks.insert(0, (state[1], blocks[state[1]][state[2]]))
+            state = table[state][1]
         members = tuple(r for r, _ in picks)
         if len(members) <= MAX_ORDERED_REGIONS:  # the same regions in the order of least latency
             orders = (_along(order, blocks, links, ok) for order in itertools.permutations(members))
@@ -206,20 +218,18 @@ def _along(order: tuple[int, ...], blocks: list[list[Block]], links: _Links,
     """The most layers a chain through the regions ``order`` holds with every crossing carrying ``ok``
     (and its blocks), None when no choice of blocks lets it."""
     first, last = order[0], order[-1]
-    cur: dict[int, tuple[int, list[tuple[int, Block]]]] = {}  # exit size -> (layers, blocks so far)
-    for b in blocks[first]:
-        if min(b.entry * links.from_coord[first], links.from_coord_shared[first]) >= ok and \
-                b.layers > cur.get(b.exit, (-1, []))[0]:
-            cur[b.exit] = (b.layers, [(first, b)])
+    cur: list[tuple[int, list[tuple[int, Block]]]] = [  # per block of the last region: (layers, blocks so far)
+        (b.layers, [(first, b)]) if links.into(first, b.entry_caps) >= ok else (-1, []) for b in blocks[first]]
     for r, r2 in zip(order, order[1:], strict=False):
-        nxt: dict[int, tuple[int, list[tuple[int, Block]]]] = {}
-        for out, (layers, picks) in cur.items():
-            for b in blocks[r2]:
-                if min(out * b.entry * links.pair[r][r2], links.shared[r][r2]) >= ok and \
-                        layers + b.layers > nxt.get(b.exit, (-1, []))[0]:
-                    nxt[b.exit] = (layers + b.layers, [*picks, (r2, b)])
+        nxt: list[tuple[int, list[tuple[int, Block]]]] = [(-1, []) for _ in blocks[r2]]
+        for layers, picks in cur:
+            if layers < 0:
+                continue
+            for j2, b in enumerate(blocks[r2]):
+                if layers + b.layers > nxt[j2][0] and links.across(r, r2, picks[-1][1].exit_caps, b.entry_caps) >= ok:
+                    nxt[j2] = (layers + b.layers, [*picks, (r2, b)])
         cur = nxt
-    ends = [got for out, got in cur.items() if min(out * links.to_coord[last], links.to_coord_shared[last]) >= ok]
+    ends = [got for got in cur if got[0] >= 0 and links.out_of(last, got[1][-1][1].exit_caps) >= ok]
     return max(ends, key=lambda g: g[0], default=None)
 
 
