@@ -25,7 +25,9 @@
    charge every boundary between two layers; crossing from one region to another over slow
    node-pair links (or shared uplinks and NICs) takes boundaries that cost more than 1, and the
    flow must cross regions (no set of regions carries it alone) - above the bound, more than the
-   LP's spare node-layers. The proof is in that module.
+   LP's spare node-layers; or one region's nodes must be entered or left over slow links, and every
+   way of doing so costs more than the spare node-layers (:mod:`planner.region_zone`). The proofs are
+   in those modules.
 
 3 ignores links (it is a relaxation of the network-free problem); the reported bound is min(1..4).
 """
@@ -43,6 +45,7 @@ from planner.link_bound import MAX_GROUPS, Groups, link_bound
 from planner.solvers import Model
 
 MAX_CONFIGS = 6000
+SUBSET_TOL = 2e-3  # what a set of regions carries alone: coarse is enough (it only caps the crossing LP)
 
 
 @dataclass(slots=True)
@@ -190,7 +193,7 @@ def subset_bounds(cap: CapacityModel, groups: Groups, deadline: Deadline) -> dic
             out[u] = 0.0
             continue
         top = min(area_bound(sub), coordinator_bound(sub))
-        out[u] = top if deadline.expired() else configuration_bound(sub, lower=0.0, upper=top, rel_tol=1e-4,
+        out[u] = top if deadline.expired() else configuration_bound(sub, lower=0.0, upper=top, rel_tol=SUBSET_TOL,
                                                                     deadline=deadline)
     return out
 

@@ -55,74 +55,35 @@ so every F' > F is unreachable too, and :func:`link_bound` bisects F. Everything
 of the real placement (positions of strips forgotten, the best link of a group pair for all its
 pairs, each boundary alone), so the bound is valid with or without partial hand-offs; it is weak
 where crossing costs nothing (links that carry F alone, or a region holding the model by itself).
+
+**Second argument** (:mod:`planner.region_zone`, tried first at every F): where some crossings are
+free (two L4 rails of two regions joined by a fast enough link) the multiplier above is too small,
+yet one region (the A100s') must still be entered or left over slow links: layers holding only its
+nodes and layers holding none of them both exist, and any passage from one kind to the other costs
+more than the slack, counted over every layer its wide groups hold. F is unreachable when either
+argument proves it.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from itertools import combinations
 
 from planner.budget import Deadline
 from planner.capacity import CapacityModel
 from planner.config_lp import configuration_lp
+from planner.region_groups import NO_REGION, Groups, NodeClass, cap_by_pairs, unary_count
+from planner.region_zone import transition_rules_out
 from planner.solvers import Model
+
+__all__ = ["ETA", "MAX_GROUPS", "Groups", "NodeClass", "boundary_costs_at_least_one", "crossings_needed",
+           "link_bound", "link_feasible"]
 
 ETA = 1e-3  # layers of slack the proof must exceed (the cutoff's round-off over L boundaries is far below)
 CUTOFF = 1.0 - 1e-6  # a boundary shape below this is a counterexample
 MAX_GROUPS = 6  # more region groups: no crossing LP (2^groups subsets)
-NO_REGION = "\x00no-region"
-
-
-@dataclass(slots=True, frozen=True)
-class NodeClass:
-    """Interchangeable nodes at a boundary: one group (region), one kind, one NIC."""
-
-    group: str
-    kind: str
-    nic_tok_s: float  # inf: no NIC cap
-    count: int
-
-
-@dataclass(slots=True, frozen=True)
-class Groups:
-    """The cluster's node groups (regions) as the bound reads them."""
-
-    names: list[str]
-    size: dict[str, int]
-    classes: list[NodeClass]
-    link: dict[tuple[str, str], float]  # (r, s) -> best activation tok/s of a node pair r -> s (0: none)
-    uplink: dict[str, float]  # real regions with a shared uplink (tok/s)
-    downlink: dict[str, float]
-    any_ungrouped: bool
-
-    @classmethod
-    def of(cls, cap: CapacityModel) -> Groups:
-        group = {n: cap.region_of[n] or NO_REGION for n in cap.nodes}
-        names = list(dict.fromkeys(group[n] for n in cap.nodes))
-        counts: dict[tuple[str, str, float], int] = {}
-        for n in cap.nodes:
-            key = (group[n], cap.kind_of[n], cap.node_nic_tok_s(n) or math.inf)
-            counts[key] = counts.get(key, 0) + 1
-        link: dict[tuple[str, str], float] = {(r, s): 0.0 for r in names for s in names}
-        members = set(cap.nodes)
-        for (a, b), _ in cap.links.items():
-            if a in members and b in members:
-                c = cap.activation_link_tok_s(a, b) or 0.0
-                key2 = (group[a], group[b])
-                link[key2] = max(link[key2], c)
-        up = {r: v for r in names if r != NO_REGION and (v := cap.region_uplink_tok_s(r)) is not None}
-        down = {r: v for r in names if r != NO_REGION and (v := cap.region_downlink_tok_s(r)) is not None}
-        return cls(names=names, size={r: sum(1 for n in cap.nodes if group[n] == r) for r in names},
-                   classes=[NodeClass(g, k, nic, c) for (g, k, nic), c in counts.items()], link=link,
-                   uplink=up, downlink=down, any_ungrouped=NO_REGION in names)
-
-    def nodes_of(self, cap: CapacityModel, subset: frozenset[str]) -> list[str]:
-        return [n for n in cap.nodes if (cap.region_of[n] or NO_REGION) in subset]
-
-    def proper_subsets(self) -> list[frozenset[str]]:
-        return [frozenset(c) for size in range(1, len(self.names)) for c in combinations(self.names, size)]
+GOAL = 1.1  # the bisection's second probe: a bound this far above the flow found is a gap of 9.1 %
 
 
 def crossings_needed(groups: Groups, flow: float, alone: Mapping[frozenset[str], float],
@@ -189,27 +150,14 @@ def boundary_costs_at_least_one(cap: CapacityModel, groups: Groups, flow: float,
     for receivers in (("C", "N"), ("N",)):  # (2) with (3), once for S -> C u N and once for S -> N
         hops: dict[tuple[str, str], int] = {}
         for s in names:
-            reach = [r for r in names if groups.link[(r, s)] > 0]
-            q_cap = min(groups.size[s], max((math.ceil(flow / groups.link[(r, s)]) for r in reach), default=0))
+            q_cap = groups.receivers_needed(s, flow)
             if q_cap == 0:
                 continue
-            beta = [m.add_col(0, 1, integer=True) for _ in range(q_cap)]  # beta[q-1]: |X_s| counted as q
-            m.add_row(beta, [1.0] * q_cap, hi=1.0)
-            idx, val = [], []
-            for role in receivers:
-                i, v = count_in(role, s)
-                idx += i
-                val += [-x for x in v]
-            m.add_row(beta + idx, [float(q + 1) for q in range(q_cap)] + val, hi=0.0)  # sum q beta_q <= |X_s|
-            for r in reach:
+            beta = unary_count(m, [j for role in receivers for j in count_in(role, s)[0]], q_cap)  # |X_s|
+            for r in (r for r in names if groups.link[(r, s)] > 0):
                 g = m.add_col(0, flow)
                 hops[(r, s)] = g
-                s_idx, s_val = count_in("S", r)
-                w = [m.add_col(0, groups.size[r]) for _ in range(q_cap)]  # w_q = |S_r| * beta_q
-                for p in range(q_cap):
-                    m.add_row([w[p]] + s_idx, [1.0] + [-x for x in s_val], hi=0.0)
-                    m.add_row([w[p], beta[p]], [1.0, -float(groups.size[r])], hi=0.0)
-                m.add_row([g] + w, [1.0] + [-groups.link[(r, s)] * (q + 1) for q in range(q_cap)], hi=0.0)
+                cap_by_pairs(m, g, groups.link[(r, s)], beta, count_in("S", r)[0], groups.size[r])
         for r in names:  # a sender pushes no more than it runs (and its NIC passes)
             out = [g for (a, _), g in hops.items() if a == r]
             if out:
@@ -265,6 +213,9 @@ def link_feasible(cap: CapacityModel, flow: float, groups: Groups, alone: Mappin
         return None
     if need == math.inf:
         return False
+    zone = transition_rules_out(cap, groups, flow, lp.prices, lp.budget, margin=ETA, deadline=deadline)
+    if zone is not False:
+        return None if zone is None else False
     if need <= 0:
         return True
     lam = (lp.budget - L + ETA) / need
@@ -276,15 +227,18 @@ def link_bound(cap: CapacityModel, *, lower: float, upper: float, alone: Mapping
                deadline: Deadline, rel_tol: float = 1e-4) -> float:
     """The smallest flow proven unreachable by :func:`link_feasible` between a reachable ``lower``
     (the best max flow found) and a valid ``upper`` (``upper`` when none is, or the cluster has one
-    group). Tries just above ``lower`` first (proving it optimal costs one test), then just below
-    ``upper`` (where the argument is idle, one test), then bisects."""
+    group). Tries just above ``lower`` first (proving it optimal costs one test), then :data:`GOAL` times
+    ``lower`` (a gap under 10 % in one more test), then just below ``upper`` (where the argument is idle,
+    one test), then bisects."""
     groups = Groups.of(cap)
     if len(groups.names) < 2 or len(groups.names) > MAX_GROUPS or not 0 < lower < upper:
         return upper
     lo, hi = lower, upper
-    for probe in (lower * (1 + rel_tol / 2), upper * (1 - rel_tol / 2)):
-        if deadline.expired() or not lo < probe < hi:
+    for probe in (lower * GOAL, lower * (1 + rel_tol / 2), upper * (1 - rel_tol / 2)):
+        if deadline.expired():
             break
+        if not lo < probe < hi:
+            continue
         res = link_feasible(cap, probe, groups, alone, deadline)
         if res is None:
             return hi
