@@ -34,6 +34,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -216,7 +217,7 @@ def upper_bound(
         )
     groups = Groups.of(cap)
     if 2 <= len(groups.names) <= MAX_GROUPS and not deadline.expired():
-        alone = subset_bounds(cap, groups, deadline)
+        alone = functools.cache(lambda: subset_bounds(cap, groups, deadline))
         linked = link_bound(cap, lower=min(achieved, best.tok_s), upper=best.tok_s, alone=alone, deadline=deadline)
         if linked < best.tok_s:
             best = Bound(

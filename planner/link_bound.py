@@ -67,7 +67,7 @@ argument proves it.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from itertools import combinations
 
 from planner.budget import Deadline
@@ -83,6 +83,7 @@ __all__ = ["ETA", "MAX_GROUPS", "Groups", "NodeClass", "boundary_costs_at_least_
 ETA = 1e-3  # layers of slack the proof must exceed (the cutoff's round-off over L boundaries is far below)
 CUTOFF = 1.0 - 1e-6  # a boundary shape below this is a counterexample
 MAX_GROUPS = 6  # more region groups: no crossing LP (2^groups subsets)
+Alone = Callable[[], Mapping[frozenset[str], float]]  # P_U per proper set U of groups, computed when first needed
 GOAL = 1.1  # the bisection's second probe: a bound this far above the flow found is a gap of 9.1 %
 
 
@@ -196,10 +197,10 @@ def boundary_costs_at_least_one(cap: CapacityModel, groups: Groups, flow: float,
     return True if got.dual_bound >= CUTOFF else None
 
 
-def link_feasible(cap: CapacityModel, flow: float, groups: Groups, alone: Mapping[frozenset[str], float],
-                  deadline: Deadline) -> bool | None:
-    """False (a proof) when no placement reaches ``flow`` by the argument above; True when the
-    argument cannot rule it out; None when a solver stopped without an answer."""
+def link_feasible(cap: CapacityModel, flow: float, groups: Groups, alone: Alone, deadline: Deadline) -> bool | None:
+    """False (a proof) when no placement reaches ``flow`` by either argument above (the region
+    transition first: it needs no P_U); True when neither rules it out; None when a solver stopped
+    without an answer."""
     lp = configuration_lp(cap, flow, deadline)
     if lp is None:
         return None
@@ -208,14 +209,14 @@ def link_feasible(cap: CapacityModel, flow: float, groups: Groups, alone: Mappin
         return None
     if lp.budget < L * (1 - 1e-9):
         return False
-    need = crossings_needed(groups, flow, alone, deadline)
+    zone = transition_rules_out(cap, groups, flow, lp.prices, lp.budget, margin=ETA, deadline=deadline)
+    if zone is not False:
+        return None if zone is None else False
+    need = crossings_needed(groups, flow, alone(), deadline)
     if need is None:
         return None
     if need == math.inf:
         return False
-    zone = transition_rules_out(cap, groups, flow, lp.prices, lp.budget, margin=ETA, deadline=deadline)
-    if zone is not False:
-        return None if zone is None else False
     if need <= 0:
         return True
     lam = (lp.budget - L + ETA) / need
@@ -223,9 +224,10 @@ def link_feasible(cap: CapacityModel, flow: float, groups: Groups, alone: Mappin
     return None if dear is None else not dear
 
 
-def link_bound(cap: CapacityModel, *, lower: float, upper: float, alone: Mapping[frozenset[str], float],
-               deadline: Deadline, rel_tol: float = 1e-4) -> float:
-    """The smallest flow proven unreachable by :func:`link_feasible` between a reachable ``lower``
+def link_bound(cap: CapacityModel, *, lower: float, upper: float, alone: Alone, deadline: Deadline,
+               rel_tol: float = 1e-4) -> float:
+    """The smallest flow proven unreachable by :func:`link_feasible` (``alone()``: the P_U above, asked for
+    only when the crossing argument runs) between a reachable ``lower``
     (the best max flow found) and a valid ``upper`` (``upper`` when none is, or the cluster has one
     group). Tries just above ``lower`` first (proving it optimal costs one test), then :data:`GOAL` times
     ``lower`` (a gap under 10 % in one more test), then just below ``upper`` (where the argument is idle,

@@ -174,7 +174,7 @@ def test_single_region_keeps_the_network_free_bound(single24) -> None:  # type: 
 def test_expired_deadline_returns_the_upper_value(tmp_path: Path) -> None:
     cap = _issue_cluster(tmp_path)
     done = Deadline.after(0.0)
-    assert link_bound(cap, lower=900.0, upper=2045.0, alone={}, deadline=done) == 2045.0
+    assert link_bound(cap, lower=900.0, upper=2045.0, alone=dict, deadline=done) == 2045.0
     assert len(Groups.of(cap).names) == 3
 
 
