@@ -2,10 +2,10 @@
 incumbent, and the construction phase that fills it.
 
 Construction scores the warm starts first (the user's placement, the baselines), so an incumbent
-exists within moments, then the stage plans of the stage-pattern MILP (``planner.stages``) for
-the whole cluster and, for geo clusters whose links are not uniform, the region chains
-(``planner.region_chains``: each region visited once, crossings wide enough for the slow links) and
-stage plans region by region. At least
+exists within moments, then, for geo clusters whose links are not uniform, the region chains
+(``planner.region_chains``: each region visited once, crossings wide enough for the slow links; also
+separate chains side by side), then the stage plans of the stage-pattern MILP (``planner.stages``)
+for the whole cluster and, on geo clusters, stage plans region by region. At least
 one candidate is always scored, even when the deadline comes first.
 """
 
@@ -72,14 +72,8 @@ def construct(pool: CandidatePool, cap: CapacityModel, warm: list[Placement], *,
             break
         pool.add(w, "warm start / baselines")
     scoring = search.within(max(0.5, SCORING_SHARE * limit))  # leave the rest to the bound and search
-    if not scoring.expired():
-        build = search.within(max(0.5, CONSTRUCTION_SHARE * limit))
-        for c in stage_candidates(cap, deadline=build, lo=0.0, hi=coarse * (1 + 1e-6), serving=serving):
-            if scoring.expired():
-                break
-            pool.add(c, "construction: stage plans")
     geo = len(cap.regions()) > 1 and not cap.links_uniform()
-    if geo and not scoring.expired():
+    if geo and not scoring.expired():  # first: where links bind they are the strong candidates (and cheap)
         build = search.within(max(0.5, CONSTRUCTION_SHARE * limit))
         for c in region_chains.chain_candidates(cap, deadline=build, lo=0.0, hi=coarse * (1 + 1e-6),
                                                   serving=serving):
@@ -90,6 +84,12 @@ def construct(pool: CandidatePool, cap: CapacityModel, warm: list[Placement], *,
             if scoring.expired():
                 break
             pool.add(c, "construction: separate region chains")
+    if not scoring.expired():
+        build = search.within(max(0.5, CONSTRUCTION_SHARE * limit))
+        for c in stage_candidates(cap, deadline=build, lo=0.0, hi=coarse * (1 + 1e-6), serving=serving):
+            if scoring.expired():
+                break
+            pool.add(c, "construction: stage plans")
     if geo and not scoring.expired():
         per_region = per_region_candidate(cap, search.within(0.05 * limit), coarse)
         if per_region:
