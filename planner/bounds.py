@@ -222,7 +222,8 @@ def upper_bound(
         if linked < best.tok_s:
             best = Bound(
                 linked,
-                "link-aware LP + boundary MILP (HiGHS): above this, the region crossings the flow needs cost more "
-                "node-layers than the layer-configuration LP has to spare (bisection; planner.link_bound)",
+                "link-aware LP + boundary and zone MILPs (HiGHS): above this, the region crossings the flow needs, "
+                "or its passage into or out of one region's nodes, cost more node-layers than the layer-configuration "
+                "LP has to spare (bisection; planner.link_bound, planner.region_zone)",
             )
     return best
