@@ -27,6 +27,10 @@ The search stops early when the incumbent meets the proven bound (max-flow objec
 has not improved for the stall window (``planner.budget``); ``stats["stop_reason"]`` says
 which (``bound_met`` / ``stalled`` / ``time_limit``).
 
+On geo clusters a max-flow search that stalls proves the bound again from its final flow in
+the time it leaves (up to :data:`REPROVE_SHARE` of the limit): the link-aware bisection tightens
+with time.
+
 ``optimize`` runs these phases in order (``construct``, ``_prove_bound``, ``_polish``,
 ``_refine_by_simulation``, ``_finish``); the candidates and the construction live in
 ``planner.candidates``.
@@ -74,6 +78,7 @@ FINISH_SHARE = 0.1  # of the time limit, kept for the final exact check and bala
 FINISH_MAX_S = 3.0  # ... but never more than this
 BOUND_SHARE = 0.1  # the layer-configuration bound's share of the limit (at least 0.5 s)
 SIMULATE_SHARE = 0.4  # the simulated refinement's share of the limit (the search before it stops earlier)
+REPROVE_SHARE = 0.3  # geo clusters: a stalled max-flow search re-proves the bound in what is left, up to this share
 
 
 @dataclass(slots=True)
@@ -134,6 +139,8 @@ def optimize(
     window_s, stalled = _polish(pool, ev, bound, options, search, limit, refining=refining)
     best = pool.best
     assert best is not None
+    if not refining and stalled and _geo(cap) and best.max_flow < bound.tok_s * (1 - OPTIMAL_TOL):
+        bound = _reprove_bound(pool, cap, bound, search.within(REPROVE_SHARE * limit))
     stats: dict[str, Any] = {"candidates": len(pool.scored), "stall_window_s": window_s}
     refined = None
     if refining and simulator is not None and not search.expired():
@@ -169,6 +176,23 @@ def _prove_bound(pool: CandidatePool, cap: CapacityModel, deadline: Deadline) ->
     bound = bounds.upper_bound(cap, achieved=achieved, deadline=deadline)
     pool.bound = bound.tok_s
     pool.report(pool.best, bound.tok_s, "bound")
+    return bound
+
+
+def _geo(cap: CapacityModel) -> bool:
+    """Regions joined by links that differ: where the link-aware bound applies."""
+    return len(cap.regions()) > 1 and not cap.links_uniform()
+
+
+def _reprove_bound(pool: CandidatePool, cap: CapacityModel, bound: bounds.Bound, deadline: Deadline) -> bounds.Bound:
+    """The bound proven again from the search's final flow with the time the stalled search left (the
+    link-aware bisection tightens with time: on geo-s6-n48 9.1 % in 6 s, 6.3 % in 30 s); the better one."""
+    if deadline.expired():
+        return bound
+    again = _prove_bound(pool, cap, deadline)
+    if again.tok_s < bound.tok_s:
+        return again
+    pool.bound = bound.tok_s
     return bound
 
 

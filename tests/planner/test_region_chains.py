@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from helix.domain import Placement
+from helix.profile import load_profiles_for
+from helix.spec import load_cluster
 from planner import bounds, region_blocks, region_chains, stages
 from planner.budget import Deadline
 from planner.capacity import CapacityModel
@@ -12,6 +16,7 @@ from planner.graph import max_flow_value
 from planner.optimize import optimize
 from planner.options import PlannerOptions
 
+from .test_geo_clusters import geo
 from .test_optimize import tiny
 
 # three regions, links between them carry 488 activation tokens/s per node pair (tiny(geo=True))
@@ -139,3 +144,17 @@ def test_staggered_rails_hold_more_layers_than_groups() -> None:
     assert chains and any(st.rails for st in chains[0].stages)
     pl = region_chains.to_placement(cap, chains[0])
     assert max_flow_value(cap, pl) >= 480.0 * (1 - 1e-9)
+
+
+def test_a_stalled_max_flow_search_on_a_geo_cluster_re_proves_its_bound(tmp_path: Path) -> None:
+    """geo-s6-n48's link-aware bound tightens with time (its first proof gets a tenth of the limit):
+    when the search stalls, the time it leaves proves the bound again from the final flow."""
+    cluster = load_cluster(geo.write_geo_cluster(tmp_path, 6, 48))
+    seen: list[tuple[str, float | None]] = []
+    res = optimize(cluster, load_profiles_for(cluster),
+                   PlannerOptions(objective="max-flow", time_limit_s=12, threads=1, stall_s=2.0),
+                   on_progress=lambda p: seen.append((p.message, p.bound_tok_s)))  # fmt: skip
+    first = next(b for msg, b in seen if msg == "bound" and b is not None)
+    assert res.stop_reason == "stalled"
+    assert res.max_flow_tok_s <= res.upper_bound_tok_s < first  # proven again, tighter
+    assert [msg for msg, _ in seen].count("bound") == 2
