@@ -39,6 +39,7 @@ import math
 from dataclasses import dataclass
 
 from helix.perf_model import NETWORK_FREE_BOUND, network_free_bound
+from planner.bisection import bisect_unreachable
 from planner.budget import Deadline
 from planner.capacity import CapacityModel
 from planner.config_lp import configuration_lp
@@ -163,16 +164,8 @@ def configuration_bound(
     lo, hi = lower, upper
     if deadline.expired() or configuration_lp_feasible(cap, hi, deadline=deadline) is not False:
         return upper
-    while hi - lo > rel_tol * hi and not deadline.expired():
-        mid = (lo + hi) / 2
-        res = configuration_lp_feasible(cap, mid, deadline=deadline)
-        if res is False:
-            hi = mid
-        elif res is True:
-            lo = mid
-        else:
-            break
-    return hi
+    return bisect_unreachable(lambda flow: configuration_lp_feasible(cap, flow, deadline=deadline), lo, hi,
+                              rel_tol=rel_tol, deadline=deadline)  # fmt: skip
 
 
 def cheap_bound(cap: CapacityModel) -> Bound:

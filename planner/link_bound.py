@@ -70,6 +70,7 @@ import math
 from collections.abc import Callable, Mapping
 from itertools import combinations
 
+from planner.bisection import bisect_unreachable
 from planner.budget import Deadline
 from planner.capacity import CapacityModel
 from planner.config_lp import configuration_lp
@@ -248,13 +249,5 @@ def link_bound(cap: CapacityModel, *, lower: float, upper: float, alone: Alone, 
             hi = probe
         else:
             lo = probe
-    while hi - lo > rel_tol * hi and not deadline.expired():
-        mid = (lo + hi) / 2
-        res = link_feasible(cap, mid, groups, alone, deadline)
-        if res is False:
-            hi = mid
-        elif res is True:
-            lo = mid
-        else:
-            break
-    return hi
+    return bisect_unreachable(lambda flow: link_feasible(cap, flow, groups, alone, deadline), lo, hi,
+                              rel_tol=rel_tol, deadline=deadline)  # fmt: skip
