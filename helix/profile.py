@@ -55,6 +55,13 @@ token of context beyond that (less below it): attention reads every cached key a
 on a CPU a batch of long contexts reads as many bytes as the weights. :func:`derive_tok_s`
 prices its mean context with it, the simulator every request's own.
 
+Optional crowding (absent = a step costs the same however many of the host's nodes step with it):
+``alone`` holds the per-layer curves again, measured with the node stepping alone on its host,
+when the curves themselves were measured with ``together`` co-located nodes stepping at once
+(``helix profile --concurrent``: they share the host's caches and memory bandwidth). The planner
+reads the curves (every node busy, as at its max flow); the simulator prices an iteration between
+the two by how many of the host's nodes step with it (:mod:`simulator.hosts`).
+
 ``kv_capacity_tokens_by_layers[k-1]`` counts KV *entries* (one token in one layer) that fit
 when the node holds ``k`` layers; each layer then keeps ``value / k`` tokens of context.
 
@@ -110,6 +117,22 @@ class ModelProfile(_Strict):
 Curve = list[tuple[float, float]]
 
 
+class SteppingAlone(_Strict):
+    """The per-layer curves again, measured with the node stepping alone on its host (``alone:``
+    under a throughput profile whose own curves ``helix profile --concurrent`` measured with
+    ``together`` co-located nodes stepping at once). Steps that share a host's caches and memory
+    bandwidth cost more than one that has them to itself; the simulator prices an iteration
+    between the two by how many of the host's nodes step with it (:mod:`simulator.hosts`)."""
+
+    together: int = Field(ge=2, description="nodes that stepped at once (at most one per core) when the throughput profile's own curves were measured")
+    prefill_ms_per_layer: Curve = Field(description="as the throughput profile's, stepping alone")
+    decode_ms_per_layer: Curve = Field(description="as the throughput profile's, stepping alone")
+    step_overhead_ms: Curve | None = Field(default=None, description="as the throughput profile's, stepping alone; absent: 0")
+    head_ms: Curve | None = Field(default=None, description="as the throughput profile's, stepping alone; absent: 0")
+    decode_ms_per_context_token: float | None = Field(default=None, ge=0, description="as the throughput profile's, stepping alone; absent: 0")
+    pet_ms_per_layer: dict[PETTypeName, Curve] | None = Field(default=None, description="as the throughput profile's, stepping alone; absent: 0")
+
+
 class ThroughputProfile(_Strict):
     """How one GPU type runs one model."""
 
@@ -147,6 +170,10 @@ class ThroughputProfile(_Strict):
     pet_ms_per_layer: dict[PETTypeName, Curve] | None = Field(
         default=None, description="per PET type: [rows of one task in a step, ms it adds to ONE layer]; absent: 0"
     )
+    alone: SteppingAlone | None = Field(
+        default=None, description="the curves measured with the node stepping alone on its host, when these were measured "
+                                  "with co-located nodes stepping together (helix profile --concurrent); absent: the same"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ThroughputProfile:
@@ -160,6 +187,8 @@ class ThroughputProfile(_Strict):
             raise ValueError("give tok_s, or both prefill_ms_per_layer and decode_ms_per_layer")
         if (self.decode_context_tokens is None) != (self.decode_ms_per_context_token is None):
             raise ValueError("give decode_context_tokens and decode_ms_per_context_token together")
+        if self.alone is not None and self.prefill_ms_per_layer is None:
+            raise ValueError("alone needs the curves it stands beside: give prefill_ms_per_layer and decode_ms_per_layer")
         for name in ("kv_capacity_tokens_by_layers", "prompt_max_tokens_by_layers", "decode_max_tokens_by_layers"):
             if getattr(self, name) == []:
                 raise ValueError(f"{name} needs at least one entry (k = 1 layer held)")
@@ -207,6 +236,21 @@ class ThroughputProfile(_Strict):
             context_ref_tokens=self.decode_context_tokens or 0.0,
             ms_per_context_token=self.decode_ms_per_context_token or 0.0,
             pet={t: CostCurve(c) for t, c in self.pet_ms_per_layer.items()} if self.pet_ms_per_layer else None,
+        )
+
+    def alone_curves(self) -> NodeCurves | None:
+        """:meth:`curves` as measured stepping alone on the host (``alone``); None without them."""
+        a = self.alone
+        if a is None or self.decode_ms_per_layer is None:
+            return None
+        return NodeCurves(
+            prefill=CostCurve(a.prefill_ms_per_layer),
+            decode=CostCurve(a.decode_ms_per_layer),
+            step=CostCurve(a.step_overhead_ms) if a.step_overhead_ms else None,
+            head=CostCurve(a.head_ms) if a.head_ms else None,
+            context_ref_tokens=self.decode_context_tokens or 0.0,
+            ms_per_context_token=a.decode_ms_per_context_token or 0.0,
+            pet={t: CostCurve(c) for t, c in a.pet_ms_per_layer.items()} if a.pet_ms_per_layer else None,
         )
 
     def tok_s_table(self, model: ModelProfile) -> list[float]:

@@ -5,8 +5,10 @@
 1. one node of every GPU type on this machine is measured through the engine in its own
    process (:func:`profiler.nodes.measure_nodes`); with ``concurrent`` every co-located node is
    measured at the same time (they share cores when they serve), and the nodes of one type are
-   combined. Cached by model, device, dtype, settings and the set of nodes (the profiles file
-   keys throughput by GPU type);
+   combined. With ``concurrent`` one node of every type is also measured alone, and those curves
+   go under ``alone:`` with how many nodes stepped at once (the simulator prices an iteration
+   between the two by how many of the host's nodes step with it). Cached by model, device, dtype,
+   settings and the set of nodes (the profiles file keys throughput by GPU type);
 2. its KV capacity and layer limit from the free memory a node of that type gets here
    (free memory divided among the cluster's nodes on this host) and the KV reserve
    (:mod:`profiler.kv_reserve`);
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,7 +33,14 @@ from typing import Any
 
 from helix.addresses import host_of
 from helix.errors import ConfigError
-from helix.profile import GpuProfile, ModelProfile, ProfileSet, ThroughputProfile, load_profile_file
+from helix.profile import (
+    GpuProfile,
+    ModelProfile,
+    ProfileSet,
+    SteppingAlone,
+    ThroughputProfile,
+    load_profile_file,
+)
 from helix.spec import ClusterSpec
 from profiler.device import device_name, free_memory_bytes
 from profiler.files import (
@@ -111,7 +121,21 @@ def _weights_fingerprint(model: str, model_dir: str | None) -> str:
     return hashlib.sha256(data).hexdigest()[:16]
 
 
-def _throughput(measured: dict[str, Any], free_bytes: float, reserve: KvReserve) -> ThroughputProfile:
+def _alone(measured: dict[str, Any], together: int) -> SteppingAlone:
+    return SteppingAlone(
+        together=together,
+        prefill_ms_per_layer=[tuple(p) for p in measured["prefill_ms_per_layer"]],
+        decode_ms_per_layer=[tuple(p) for p in measured["decode_ms_per_layer"]],
+        step_overhead_ms=[tuple(p) for p in measured["step_overhead_ms"]] if "step_overhead_ms" in measured else None,
+        head_ms=[tuple(p) for p in measured["head_ms"]] if "head_ms" in measured else None,
+        decode_ms_per_context_token=measured.get("decode_ms_per_context_token"),
+        pet_ms_per_layer={t: [tuple(p) for p in c] for t, c in measured["pet_ms_per_layer"].items()}
+        if measured.get("pet_ms_per_layer") else None,
+    )
+
+
+def _throughput(measured: dict[str, Any], free_bytes: float, reserve: KvReserve,
+                alone: SteppingAlone | None = None) -> ThroughputProfile:  # fmt: skip
     limit, kv = memory_limits(measured, free_bytes, reserve)
     k_max = limit.max_layers
     if k_max < 1:
@@ -130,7 +154,13 @@ def _throughput(measured: dict[str, Any], free_bytes: float, reserve: KvReserve)
         decode_ms_per_context_token=measured.get("decode_ms_per_context_token"),
         pet_ms_per_layer={t: [tuple(p) for p in c] for t, c in measured["pet_ms_per_layer"].items()}
         if measured.get("pet_ms_per_layer") else None,
+        alone=alone,
     )
+
+
+def stepping_together(device: str, colocated: int) -> int:
+    """How many co-located nodes step at once: one per core at most on a CPU, every one on GPUs."""
+    return min(colocated, os.cpu_count() or 1) if device.startswith("cpu") else colocated
 
 
 def profile_cluster(
@@ -185,11 +215,27 @@ def profile_cluster(
         cache.put(key, {"per_node": per_node})
         result.measured = types
     result.per_node = per_node
+    together = stepping_together(device, len(local_nodes)) if concurrent else 1
+    alone_per_node: dict[str, Any] = {}
+    if together >= 2:  # the same nodes stepping alone: one node of every type, one at a time
+        alone_key = key | {"concurrent": False}
+        cached_alone = None if force else cache.get(alone_key)
+        if cached_alone is not None:
+            alone_per_node = cached_alone["per_node"]
+        else:
+            todo = sorted({n.gpu: n.id for n in reversed(local_nodes)}.values())
+            say("gpu", f"measuring {', '.join(todo)} alone")
+            alone_per_node = measure_nodes(model_dir or default_model_dir(cluster.model), todo, s, concurrent=False,
+                                           notify=lambda node, msg: say("gpu", f"{node} alone: {msg}"))  # fmt: skip
+            cache.put(alone_key, {"per_node": alone_per_node})
     model_constants: dict[str, Any] | None = None
     for gpu in types:
         measured = combine([per_node[n.id] for n in local_nodes if n.gpu == gpu and n.id in per_node])
         model_constants = measured
-        gpus[gpu] = GpuProfile(vram_gb=round(free / 1e9, 3), throughput={cluster.model: _throughput(measured, free, reserve)})
+        alone_runs = [alone_per_node[n.id] for n in local_nodes if n.gpu == gpu and n.id in alone_per_node]
+        alone = _alone(combine(alone_runs), together) if alone_runs else None
+        gpus[gpu] = GpuProfile(vram_gb=round(free / 1e9, 3),
+                               throughput={cluster.model: _throughput(measured, free, reserve, alone)})  # fmt: skip
     assert model_constants is not None
     models = {cluster.model: ModelProfile(
         num_layers=model_constants["num_layers"], hidden_size=model_constants["hidden_size"],

@@ -216,7 +216,7 @@ class Simulation:
         if self.cfg.host_cores is None:
             self._push(self.now + dur, _DONE, n, n.version)
         else:
-            self.hosts[self.host_of[n.id]].start(n, dur, self.now, self._schedule_end)
+            self.hosts[self.host_of[n.id]].start(n, dur, self.now, self._schedule_end, n.alone_s)
 
     def _schedule_end(self, t: float, n: SimNode) -> None:
         self._push(t, _DONE, n, n.version)

@@ -91,12 +91,19 @@ class SimNode:
 
     __slots__ = ("id", "start", "end", "k", "curves", "head_share", "kv_tokens", "scheduler", "limits", "costs",
                  "visits", "cancelled", "batch", "busy", "waking", "version", "remaining", "busy_s", "iters", "used",
-                 "used_peak", "kv_waits", "_blocked", "_inputs", "task_types", "gate")
+                 "used_peak", "kv_waits", "_blocked", "_inputs", "task_types", "gate", "alone", "together", "alone_s",
+                 "crowding")
 
     def __init__(self, nid: str, start: int, end: int, curves: NodeCurves, *, last: bool, kv_tokens: int,
                  scheduler: SchedulerConfig, limits: IterationLimits, costs: StepCosts,
-                 task_types: Mapping[str, str] | None = None) -> None:  # fmt: skip
+                 task_types: Mapping[str, str] | None = None, alone: NodeCurves | None = None,
+                 together: int = 1) -> None:  # fmt: skip
         self.id, self.start, self.end, self.k, self.curves = nid, start, end, end - start, curves
+        # the curves stepping alone on a shared host, and how many stepped at once when ``curves`` were measured
+        # (simulator.hosts: crowding); None: ``curves`` at any crowding
+        self.alone, self.together = alone, together
+        self.alone_s = 0.0  # the planned iteration's seconds with the host to itself (``alone``; else its price)
+        self.crowding = 0.0  # its crowded price ÷ alone price - 1 (set by a shared host)
         self.task_types = task_types or {}  # task -> PET type (simulator.tasks.TaskMix.pet_of); empty: no task costs
         self.head_share = 1.0 if last else 0.0  # the head is paid on the stage holding the model's last layer
         self.kv_tokens = kv_tokens
@@ -274,7 +281,14 @@ class SimNode:
         copy = (from_nodes * c.act_bytes + from_coord * c.tok_bytes) * c.copy_s_per_byte
         ms = self._ranges_ms(by_start, sampled, task_rows) if mixed else \
             self.iteration_ms(cast(dict[int, list[int]], by_start), sampled, cast("dict[int, dict[str, int]] | None", task_rows))
-        return (ms + c.overhead_ms) / 1000.0 + copy
+        seconds = (ms + c.overhead_ms) / 1000.0 + copy
+        self.alone_s = seconds
+        if self.alone is not None:
+            alone_ms = self._ranges_ms(by_start, sampled, task_rows, self.alone) if mixed else self.iteration_ms(
+                cast(dict[int, list[int]], by_start), sampled, cast("dict[int, dict[str, int]] | None", task_rows),
+                self.alone)  # fmt: skip
+            self.alone_s = (alone_ms + c.overhead_ms) / 1000.0 + copy
+        return seconds
 
     def complete(self, now: float, observe: Observe | None) -> tuple[dict[str, list[Hidden]], list[wire.TokenOut]]:
         """The running iteration ended: account it in the scheduler; the activations to send on (by next
@@ -319,12 +333,14 @@ class SimNode:
         return forwards, tokens
 
     def iteration_ms(self, by_start: Mapping[int, Sequence[int]], sampled: int,
-                     task_rows: Mapping[int, Mapping[str, int]] | None = None) -> float:  # fmt: skip
+                     task_rows: Mapping[int, Mapping[str, int]] | None = None,
+                     curves: NodeCurves | None = None) -> float:  # fmt: skip
         """What one iteration costs here (:meth:`helix.perf_model.NodeCurves.iteration_ms`):
         ``by_start`` maps the first layer requests entered at to their (prefill tokens, decoding
         requests, those requests' context tokens); a layer runs the tokens of every request that
         entered at or before it. The head is priced by the ``sampled`` sequences; ``task_rows``
-        gives, by start, the rows of each fine-tuned task among those requests."""
+        gives, by start, the rows of each fine-tuned task among those requests; ``curves`` prices it
+        (default: the node's)."""
         if len(by_start) == 1:
             start, (ptoks, dcount, ctx) = next(iter(by_start.items()))
             spans: list[Span] = [(self.end - start, ptoks, dcount, ctx)]
@@ -339,10 +355,11 @@ class SimNode:
                 ctx += by_start[s][2]
                 spans.append(((starts[i + 1] if i + 1 < len(starts) else self.end) - s, ptoks, dcount, ctx))
         tasks = span_tasks(task_rows, starts, self.task_types) if task_rows else ()
-        return self.curves.iteration_ms(spans, sampled=sampled, head_share=self.head_share, tasks=tasks)
+        return (curves or self.curves).iteration_ms(spans, sampled=sampled, head_share=self.head_share, tasks=tasks)
 
     def _ranges_ms(self, by_range: Mapping[Group, Sequence[int]], sampled: int,
-                   task_rows: Mapping[Group, Mapping[str, int]] | None = None) -> float:  # fmt: skip
+                   task_rows: Mapping[Group, Mapping[str, int]] | None = None,
+                   curves: NodeCurves | None = None) -> float:  # fmt: skip
         """:meth:`iteration_ms` when requests run different ranges here (a key ``(start, end)``: requests
         that run ``[start, end)`` rather than up to the node's end, a range it served before a re-plan): one
         span between every two consecutive range bounds, running the requests whose range holds it."""
@@ -357,7 +374,7 @@ class SimNode:
                 spans.append((hi - lo, ptoks, dcount, ctx))
                 members.append(inside)
         tasks = group_tasks(task_rows, members, self.task_types) if task_rows else ()
-        return self.curves.iteration_ms(spans, sampled=sampled, head_share=self.head_share, tasks=tasks)
+        return (curves or self.curves).iteration_ms(spans, sampled=sampled, head_share=self.head_share, tasks=tasks)
 
     def kv_report(self) -> tuple[float, float, float]:
         """What the agent's heartbeat says, in KV entries (tokens x layers here): used, reserved, capacity."""
@@ -391,8 +408,11 @@ def build_node(cluster: ClusterSpec, profiles: ProfileSet, nid: str, s: int, e: 
             source=", ".join(str(path) for path in cluster.profile_paths()),
             field=f"gpus.{gpu}.throughput.{cluster.model}",
         )
+    # stepping alone on a shared host (simulator.hosts); only where nodes share hosts' cores
+    alone = tp.alone_curves() if config.host_cores is not None and tp.alone is not None else None
     if not config.decode_floor:
         curves = dataclasses.replace(curves, decode_floor=False)
+        alone = dataclasses.replace(alone, decode_floor=False) if alone is not None else None
     k = e - s
     pmax = tp.prompt_max_tokens_by_layers[k - 1] if tp.prompt_max_tokens_by_layers else 4096
     dmax = tp.decode_max_tokens_by_layers[k - 1] if tp.decode_max_tokens_by_layers else 256
@@ -404,4 +424,5 @@ def build_node(cluster: ClusterSpec, profiles: ProfileSet, nid: str, s: int, e: 
                              None if per_slot is None else dmax * per_slot, config.prefill_chunk_tokens is not None)
     return SimNode(nid, s, e, curves, last=e == model.num_layers, kv_tokens=kv_tokens,
                    scheduler=SchedulerConfig(running, budget, config.prefill_chunk_tokens), limits=limits,
-                   costs=costs, task_types=task_types)  # fmt: skip
+                   costs=costs, task_types=task_types, alone=alone,
+                   together=tp.alone.together if alone is not None and tp.alone is not None else 1)  # fmt: skip

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -221,6 +222,13 @@ def test_concurrent_profile_measures_every_colocated_node_together(demo: Path) -
     assert sorted(result.per_node) == ["cpu-0", "cpu-1", "cpu-2"]
     tp = load_profile_file(result.profiles_path).throughput("cpu", "smollm2-135m")
     assert tp.decode_ms_per_layer and all(ms > 0 for b, ms in tp.decode_ms_per_layer if b > 0)
+    # the same curves stepping alone (one node at a time), for the simulator's crowding (simulator.hosts)
+    together = min(3, os.cpu_count() or 1)
+    if together >= 2:
+        assert tp.alone is not None and tp.alone.together == together
+        assert all(ms > 0 for b, ms in tp.alone.decode_ms_per_layer if b > 0)
+    else:  # one core: the nodes never stepped at once, so there is nothing to tell apart
+        assert tp.alone is None
 
 
 @pytest.mark.vllm

@@ -188,6 +188,39 @@ def test_nodes_sharing_a_host_share_its_cores() -> None:
     assert one > 1.5 * free  # one core: the three stages share it
 
 
+def test_a_node_stepping_alone_on_its_host_runs_at_its_alone_price() -> None:
+    """Crowding (simulator.hosts): the profile's curves were measured with 3 nodes stepping at once,
+    ``alone`` at half the price. One request walks the pipeline a stage at a time: alone prices.
+    Thirty keep all three stepping: the crowded price, as without ``alone``."""
+    from pydantic import ValidationError
+
+    from helix.plan import Plan
+    from helix.profile import SteppingAlone, ThroughputProfile
+    from simulator.workload import RequestSpec
+
+    alone = SteppingAlone(together=3, prefill_ms_per_layer=[(0, 0), (100, 0.5)],
+                          decode_ms_per_layer=[(0, 0), (1, 0.5), (8, 0.5)])  # fmt: skip
+    plan = Plan(cluster="t", model="m", method="given", placement={"n0": (0, 2), "n1": (2, 4), "n2": (4, 6)},
+                max_flow_tok_s=1.0)
+
+    def run(requests: int, cores: int | None, **tp_extra) -> float:
+        cluster, profiles = _tiny(3, address=True, **tp_extra)
+        trace = [RequestSpec(0.0, 10, 50) for _ in range(requests)]
+        cfg = SimConfig(mode="online", trace=trace, num_requests=requests, warmup_s=0.0, duration_s=1e6,
+                        host_cores=cores)  # fmt: skip
+        return simulate(cluster, profiles, plan, cfg).sim_end_s
+
+    assert run(1, 3, alone=alone) == pytest.approx(0.5 * run(1, 3), rel=0.02)  # every step alone
+    assert run(1, None, alone=alone) == pytest.approx(run(1, None))  # no shared host: the profile's price
+    crowded, measured = run(30, 3, alone=alone), run(30, 3)
+    assert 0.85 * measured < crowded < measured  # all three step at once but while the pipeline fills and drains
+    # two cores: two of the three step at once, crowded 1 + (2 - 1) x (2 - 1) / (3 - 1) = 1.5x alone, not 2x
+    assert run(1, 2, alone=alone) == pytest.approx(0.5 * run(1, 2), rel=0.02)
+    assert run(30, 2, alone=alone) < 0.9 * run(30, 2)
+    with pytest.raises(ValidationError, match="alone needs the curves"):  # a tok_s table has nothing to stand beside
+        ThroughputProfile(max_layers=1, tok_s=[1.0], alone=alone)
+
+
 def test_chunked_prefill_packs_prompt_chunks_up_to_the_chunk_per_iteration() -> None:
     from helix.plan import Plan
     from helix.profile import GpuProfile, ModelProfile, ProfileSet, ThroughputProfile
