@@ -1,9 +1,11 @@
 """The demo cluster served across three emulated regions: the real system on slow links vs the simulator.
 
-``sudo .venv/bin/python bench/wan.py`` (root: network namespaces and tc; about 5 min for the default 2 rounds):
+``sudo .venv/bin/python bench/wan.py`` (root: network namespaces and tc; about 5 min for the default 4 rounds,
+plus about 1.5 min to profile):
 
 1. profiles the demo cluster's CPU nodes once (``bench/fidelity.py``'s ``prepare``: the real
-   engine, the three nodes measured together as they serve);
+   engine, the three nodes measured together as they serve, then one alone: the simulator's
+   crowding, :mod:`simulator.hosts`);
 2. writes a three-region cluster file: ``us`` holds the coordinator and ``cpu-0`` (layers
    [0, 30)), ``eu`` holds ``cpu-1`` ([0, 16)), ``asia`` holds ``cpu-2`` ([16, 30)) - the demo
    cluster's layer ranges - with every inter-region link at ``--bandwidth-mbps`` and
@@ -23,7 +25,9 @@
    the file: the three agents share this box's cores (``host_cores``), prefill in chunks of 256
    and wait their 3 ms gather window (as ``bench/fidelity.py`` runs it), and every engine step
    costs the host CPU measured outside the steps in that very serve (agents' messaging, the
-   coordinator, the load generator and the delay line, from the agents' step logs);
+   coordinator, the load generator and the delay line, from the agents' step logs); and again
+   with one crowded price for every step (the profile's ``alone`` curves dropped), to show what
+   the crowding model adds;
 6. prints decode throughput (tokens after each request's first / makespan), TTFT p50 and TPOT
    p50 (median gap between consecutive tokens), measured vs simulated, per arm; how busy each
    WAN link was (bytes the kernel sent ÷ what its rate allows in the makespan) and each agent's
@@ -60,7 +64,7 @@ sys.path.insert(0, str(ROOT))  # the packages, not bench/planner.py or bench/rou
 from helix.netem import LinkShape, Wan  # noqa: E402
 from helix.plan import Plan  # noqa: E402
 from helix.processes import cpu_seconds as process_cpu_seconds  # noqa: E402
-from helix.profile import load_profiles_for  # noqa: E402
+from helix.profile import ProfileSet, load_profiles_for  # noqa: E402
 from helix.spec import ClusterSpec, load_cluster  # noqa: E402
 from node_agent.scheduler import SchedulerConfig  # noqa: E402
 from planner.api import finish_plan  # noqa: E402
@@ -225,6 +229,14 @@ def measured(run: Served) -> dict[str, float]:
             "tpot_s": statistics.median(gaps) if gaps else float("nan")}  # fmt: skip
 
 
+def without_alone(profiles: ProfileSet) -> ProfileSet:
+    """``profiles`` with every ``alone`` curve dropped: one crowded price at any crowding."""
+    gpus = {g: gp.model_copy(update={"throughput": {m: tp.model_copy(update={"alone": None})
+                                                    for m, tp in gp.throughput.items()}})
+            for g, gp in profiles.gpus.items()}  # fmt: skip
+    return profiles.model_copy(update={"gpus": gpus})
+
+
 def simulated(sim_cluster: ClusterSpec, profiles: Any, plan: Plan, arm: str, run: Served, overhead_ms: float,
               seed: int) -> dict[str, float]:  # fmt: skip
     trace = [RequestSpec(0.0, r["prompt_tokens"], r["completion_tokens"]) for r in run.requests]
@@ -260,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="every inter-region link's rate (10^6 bit/s; 0.5 carries ~27 tok/s of activations, far "
                          "below what the agents compute)")
     ap.add_argument("--latency-ms", type=float, default=20.0, help="every inter-region link's one-way latency")
-    add_rounds_option(ap, 2, "two serves per round (IWRR, random), interleaved")
+    add_rounds_option(ap, 4, "two serves per round (IWRR, random), interleaved; each round draws its own prompts")
     ap.add_argument("--quick", action="store_true", help="smoke run: 8 requests of 16 tokens, one round")
     ap.add_argument("--workdir", help="scratch directory (default: a fresh temporary one); a directory of an "
                                       "earlier run reuses its profile (3 min saved)")
@@ -303,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
                 run = serve(wan, agents, cluster, profiles, plan, arm, texts, args.max_tokens, r, secret, delay_pid)
             overhead, steps = outside_step_ms(run, rundir)
             real, sim = measured(run), simulated(sim_cluster, profiles, plan, arm, run, overhead, r)
+            flat = simulated(sim_cluster, without_alone(profiles), plan, arm, run, overhead, r)
             console.print(f"round {r + 1} {arm}: measured {real['decode_tok_s']:.1f} tok/s, simulated "
                           f"{sim['decode_tok_s']:.1f}; TTFT {real['ttft_s']:.2f} / {sim['ttft_s']:.2f} s, TPOT "
                           f"{real['tpot_s'] * 1000:.0f} / {sim['tpot_s'] * 1000:.0f} ms; {steps} steps, "
@@ -311,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
                 log.record(r, f"{arm} measured {label}", real[key], unit)
                 log.record(r, f"{arm} simulated {label}", sim[key], unit)
                 log.record(r, f"{arm} sim ÷ measured {label}", sim[key] / real[key], "")
+            log.record(r, f"{arm} sim ÷ measured decode tok/s, one crowded price", flat["decode_tok_s"] / real["decode_tok_s"], "")
             log.record(r, f"{arm} host CPU ms per step", overhead, "ms")
             last[arm] = run
             if arm == arm_last(r):
