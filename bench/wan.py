@@ -313,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
                 agents.start(PLACEMENT)
                 agents.wait_ready()
                 run = serve(wan, agents, cluster, profiles, plan, arm, texts, args.max_tokens, r, secret, delay_pid)
+            (rundir / "requests.json").write_text(json.dumps(run.requests))  # to simulate the serve again
             overhead, steps = outside_step_ms(run, rundir)
             real, sim = measured(run), simulated(sim_cluster, profiles, plan, arm, run, overhead, r)
             flat = simulated(sim_cluster, without_alone(profiles), plan, arm, run, overhead, r)
