@@ -3,7 +3,7 @@
 ``sudo .venv/bin/python bench/wan.py`` (root: network namespaces and tc; about 5 min for the default 4 rounds,
 plus about 1.5 min to profile):
 
-1. profiles the demo cluster's CPU nodes once (``bench/fidelity.py``'s ``prepare``: the real
+1. profiles the demo cluster's CPU nodes afresh (``bench/fidelity.py``'s ``prepare``: the real
    engine, the three nodes measured together as they serve, then one alone: the simulator's
    crowding, :mod:`simulator.hosts`);
 2. writes a three-region cluster file: ``us`` holds the coordinator and ``cpu-0`` (layers
@@ -274,14 +274,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--latency-ms", type=float, default=20.0, help="every inter-region link's one-way latency")
     add_rounds_option(ap, 4, "two serves per round (IWRR, random), interleaved; each round draws its own prompts")
     ap.add_argument("--quick", action="store_true", help="smoke run: 8 requests of 16 tokens, one round")
-    ap.add_argument("--workdir", help="scratch directory (default: a fresh temporary one); a directory of an "
-                                      "earlier run reuses its profile (3 min saved)")
+    ap.add_argument("--workdir", help="scratch directory (default: a fresh temporary one)")
+    ap.add_argument("--cached-profile", action="store_true",
+                    help="take the profile from helix's cache instead of measuring it afresh (about 2 min saved); "
+                         "only when the box is in the state it was measured in: a profile taken under other load "
+                         "prices every step wrong")  # fmt: skip
     args = ap.parse_args(argv)
     if args.quick:
         args.requests, args.max_tokens, args.rounds = 8, 16, 1
     console = make_console()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="helix-wan-"))
-    profiled, _ = prepare(workdir, console, force=False)
+    profiled, _ = prepare(workdir, console, force=not args.cached_profile)
     bandwidth_gbps = args.bandwidth_mbps / 1000
     cluster_path, sim_path = write_cluster(profiled, workdir, bandwidth_gbps, args.latency_ms)
     cluster, sim_cluster = load_cluster(cluster_path), load_cluster(sim_path)
