@@ -39,7 +39,7 @@ def test_the_file_formats_reach_every_nested_model() -> None:
     names = {m.__name__ for root in BLOCKS.values() for m in models_of(root)}
     assert {"ClusterSpec", "CoordinatorSpec", "NodeSpec", "LinkSpec", "LinkDefaults", "LinkParams", "ProfileSet",
             "ModelProfile", "GpuProfile", "ThroughputProfile", "Plan", "FlowEdge", "TaskSpec", "PETFileConfig",
-            "RegionSpec"} == names
+            "RegionSpec", "SteppingAlone"} == names
 
 
 def test_a_table_row_says_type_constraints_default_and_meaning() -> None:
