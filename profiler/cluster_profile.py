@@ -8,7 +8,9 @@
    combined. With ``concurrent`` one node of every type is also measured alone, and those curves
    go under ``alone:`` with how many nodes stepped at once (the simulator prices an iteration
    between the two by how many of the host's nodes step with it). Cached by model, device, dtype,
-   settings and the set of nodes (the profiles file keys throughput by GPU type);
+   settings and the set of nodes (the profiles file keys throughput by GPU type). Before a CPU
+   measurement the machine's CPU use is read: above :data:`BUSY_WARNING_SHARE` the result carries
+   a warning (``helix profile`` prints it), since other processes' load is measured into every step;
 2. its KV capacity and layer limit from the free memory a node of that type gets here
    (free memory divided among the cluster's nodes on this host) and the KV reserve
    (:mod:`profiler.kv_reserve`);
@@ -75,6 +77,20 @@ class ClusterProfileResult:
     skipped_nodes: list[str] = field(default_factory=list)
     per_node: dict[str, dict[str, Any]] = field(default_factory=dict)
     wall_s: float = 0.0
+    busy_before: float | None = None  # share of this machine's CPU other processes used just before measuring
+    warnings: list[str] = field(default_factory=list)
+
+
+# A CPU measurement taken while other processes use this much of the machine prices every step as
+# slow as they make it (a profile taken beside other work read 1.3-1.5x the quiet box's step costs)
+BUSY_WARNING_SHARE = 0.25
+
+
+def busy_share(interval_s: float = 0.5) -> float:
+    """The share of this machine's CPU in use over the next ``interval_s`` (all processes)."""
+    import psutil
+
+    return float(psutil.cpu_percent(interval=interval_s)) / 100.0
 
 
 # `helix agent`'s defaults (--chunk-size, --max-batch-size; node_agent.scheduler.SchedulerConfig),
@@ -158,6 +174,18 @@ def _throughput(measured: dict[str, Any], free_bytes: float, reserve: KvReserve,
     )
 
 
+def _check_quiet(result: ClusterProfileResult, say: Notify) -> None:
+    """Note how busy the machine is before a CPU measurement; a warning when others use it."""
+    result.busy_before = busy = busy_share()
+    if busy >= BUSY_WARNING_SHARE:
+        warning = (f"this machine's CPU was {busy:.0%} busy just before measuring: other processes share its cores, "
+                   "so the profile prices every step as slow as they make it; measure again on a quiet machine "
+                   "(--force) before planning or simulating with it")  # fmt: skip
+        result.warnings.append(warning)
+        say("gpu", f"warning: {warning}")
+        log.warning("%s", warning)
+
+
 def stepping_together(device: str, colocated: int) -> int:
     """How many co-located nodes step at once: one per core at most on a CPU, every one on GPUs."""
     return min(colocated, os.cpu_count() or 1) if device.startswith("cpu") else colocated
@@ -209,6 +237,8 @@ def profile_cluster(
         # one node per GPU type, or (concurrent) every co-located node at the same time
         first = {n.gpu: n.id for n in reversed(local_nodes)}
         todo = [n.id for n in local_nodes] if concurrent else sorted(first.values())
+        if device.startswith("cpu"):
+            _check_quiet(result, say)
         say("gpu", f"measuring {', '.join(todo)} on {device}")
         per_node = measure_nodes(model_dir or default_model_dir(cluster.model), todo, s, concurrent=concurrent,
                                  notify=lambda node, msg: say("gpu", f"{node}: {msg}"))  # fmt: skip
@@ -224,6 +254,8 @@ def profile_cluster(
             alone_per_node = cached_alone["per_node"]
         else:
             todo = sorted({n.gpu: n.id for n in reversed(local_nodes)}.values())
+            if result.busy_before is None and device.startswith("cpu"):
+                _check_quiet(result, say)
             say("gpu", f"measuring {', '.join(todo)} alone")
             alone_per_node = measure_nodes(model_dir or default_model_dir(cluster.model), todo, s, concurrent=False,
                                            notify=lambda node, msg: say("gpu", f"{node} alone: {msg}"))  # fmt: skip

@@ -205,5 +205,7 @@ def _run_measure(args: argparse.Namespace) -> int:
         console.print(f"measured links written to [bold]{result.links_path}[/] (paste them into the cluster's links:)")
     if result.skipped_nodes:
         console.print(f"[yellow]not on this machine, not measured:[/] {', '.join(result.skipped_nodes)}")
+    for warning in result.warnings:
+        console.print(f"[yellow]warning:[/] {warning}")
     console.print(f"done in {result.wall_s:.1f} s")
     return 0

@@ -244,3 +244,20 @@ def test_profile_through_the_vllm_backend_is_measured_and_cached_apart(demo: Pat
     assert torch_run.measured == ["cpu"] and not torch_run.cache_hits  # another backend: not the vLLM cache entry
     again = profile_cluster(cluster, settings=vllm, measure_links=False, cache_dir=tmp_path / "cache")
     assert again.cache_hits == ["cpu"]
+
+
+def test_a_busy_machine_is_warned_of_before_a_cpu_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Other processes' load goes into every measured step: the profile says so (helix profile prints it)."""
+    from helix.profile import ProfileSet
+    from profiler import cluster_profile
+    from profiler.cluster_profile import BUSY_WARNING_SHARE, ClusterProfileResult, _check_quiet
+
+    said: list[tuple[str, str]] = []
+    for busy, warned in ((0.9, True), (BUSY_WARNING_SHARE / 2, False)):
+        monkeypatch.setattr(cluster_profile, "busy_share", lambda busy=busy: busy)
+        result = ClusterProfileResult(profiles_path=Path("p.yaml"), links_path=None, profiles=ProfileSet())
+        _check_quiet(result, lambda phase, msg: said.append((phase, msg)))
+        assert result.busy_before == busy
+        assert bool(result.warnings) is warned
+    assert len(said) == 1 and "90% busy" in said[0][1] and "--force" in said[0][1]
+    assert 0.0 <= cluster_profile.busy_share(0.05) <= 1.0  # the real reading
