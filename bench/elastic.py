@@ -3,7 +3,7 @@
     python bench/elastic.py [--only planner] [--objective max-flow|serving|both] [--nodes a100-6,t4-1]
                             [--time-limit 10] [--scratch-limit 30] [--full-limit 60] [--exact-limit 60]
                             [--rounds 1] [--quick]
-    python bench/elastic.py --only cluster [--clients 16] [--max-tokens 64] [--victim cpu-0] [--rounds 1]
+    python bench/elastic.py --only cluster [--clients 16] [--max-tokens 64] [--victim cpu-0] [--rounds 4]
     python bench/elastic.py --only soak [--duration-s 300] [--events 20] [--seed 0] [--clients 16] [--max-agents 4]
 
 **cluster** — the demo cluster serving while a node dies and a replacement joins
@@ -64,7 +64,7 @@ from planner.moves import layers_moved, relabel, renamed  # noqa: E402
 from planner.replan import ReplanOptions, replan, without_nodes  # noqa: E402
 
 sys.path.insert(1, str(ROOT / "bench"))  # after the packages: bench/planner.py must not shadow planner/
-from elastic_cluster import add_cluster_arguments, bench_cluster  # noqa: E402
+from elastic_cluster import CLUSTER_ROUNDS, add_cluster_arguments, bench_cluster  # noqa: E402
 from elastic_soak import add_soak_arguments, bench_soak  # noqa: E402
 from harness import RoundLog, Target, add_rounds_option, format_value, make_console, report  # noqa: E402
 
@@ -201,8 +201,11 @@ def main() -> int:
     ap.add_argument("--full-limit", type=float, default=None, help="the full cluster's plan limit, s (default 60)")
     ap.add_argument("--exact-limit", type=float, default=60.0, help="the exact minimum's time limit per node, s (default 60)")
     ap.add_argument("--quick", action="store_true", help="shorter limits (10 s from scratch, 20 s full; smoke run)")
-    add_rounds_option(ap, 1, "a round is a sweep of every node; the planner is deterministic for a seed")
+    add_rounds_option(ap, None, f"planner and soak 1 (the planner is deterministic for a seed; the soak is one "
+                                f"5-minute run), cluster {CLUSTER_ROUNDS} (its 10 s windows swing ±8 per cent on a shared box)")
     args = ap.parse_args()
+    if args.rounds is None:
+        args.rounds = CLUSTER_ROUNDS if args.only == "cluster" else 1
     args.scratch_limit = args.scratch_limit or (10.0 if args.quick else 30.0)
     args.full_limit = args.full_limit or (20.0 if args.quick else 60.0)
     if args.only == "cluster":

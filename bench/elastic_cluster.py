@@ -2,7 +2,7 @@
 while clients stream; the coordinator re-plans as it would in production (``helix serve``'s default
 policy: 5 s grace after a death, 5 s planner limit).
 
-    python bench/elastic.py --only cluster [--clients 16] [--max-tokens 64] [--victim cpu-0] [--rounds 1]
+    python bench/elastic.py --only cluster [--clients 16] [--max-tokens 64] [--victim cpu-0] [--rounds 4]
     python bench/elastic_cluster.py ...     (the same)
 
 One round:
@@ -56,6 +56,10 @@ PROMPTS = [f"Tell me about {topic} in a few sentences." for topic in
            ("the sea", "mountains", "cats", "rain", "bread", "trains", "the moon", "music")]  # fmt: skip
 WINDOW_S = 5.0
 DEATH_TARGET, JOIN_TARGET = 0.90, 0.95
+# Four rounds: one round's 10 s windows swing ±8 % on a shared 2-core box, and the join figure's steady
+# state sits near its target there (two cores, not the nodes, bound the demo cluster): two rounds read
+# 0.950x and 0.942x in two runs, four rounds 0.974x (3/4).
+CLUSTER_ROUNDS = 4
 out = make_console()
 
 
@@ -292,7 +296,8 @@ def add_cluster_arguments(ap: argparse.ArgumentParser) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_cluster_arguments(ap)
-    add_rounds_option(ap, 1, "a round takes about 4 minutes (two clusters started)")
+    add_rounds_option(ap, CLUSTER_ROUNDS, "a round takes about 3-4 minutes (two clusters started); one round's "
+                                          "10 s windows swing ±8 per cent")
     bench_cluster(ap.parse_args())
     return 0
 
