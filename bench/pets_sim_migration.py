@@ -20,11 +20,11 @@ cluster serves, were the tasks' load spread evenly.
 * **static**: the spread assignment stays;
 * **migration**: ``--pet-balance`` with ``helix serve``'s defaults (theta 0.9, interval 1-60 s,
   ``--sim-min-requests`` a window): the real ``router.pet_balancer.PetBalancer`` at simulated times, each
-  move copying the task's PET for the target's layers at 2 GB/s, switching routing and freeing the source
-  once its requests there are over, one move after the other as ``helix serve`` does
-  (``simulator/pet_migration.py``);
-* **migration, drains overlapped**: the same, but the next move and round start once a task is switched
-  (``helix simulate --pet-overlap-drains``; not what ``helix serve`` does): what waiting for each drain costs.
+  move copying the task's PET for the target's layers at 2 GB/s and switching routing, the next move and
+  round going on while the source drains and is freed once its requests there are over, as ``helix serve``
+  does (``simulator/pet_migration.py``);
+* **migration, serial drains**: the same, but the next move and round wait until the last source is freed
+  (``helix simulate --pet-serial-drains``; what ``helix serve`` did before): what waiting for each drain costs.
 
 Figures per round: each arm's decode throughput (tokens/s over the measured window), the mean balance
 ``phi`` (the worst replica group's least-counted node's requests over its most-counted's, per 10 s), the
@@ -45,7 +45,7 @@ sys.path.insert(1, str(ROOT / "bench"))
 from harness import RoundLog, Target, add_rounds_option, interleaved, make_console, report  # noqa: E402
 
 SINGLE24 = ROOT / "clusters" / "helix-paper-single24" / "cluster.yaml"
-ARMS = ("static", "migration", "migration, drains overlapped")
+ARMS = ("static", "migration", "migration, serial drains")
 TARGET = 1.2
 out = make_console()
 
@@ -93,7 +93,7 @@ def run_arm(args: argparse.Namespace, arm: str, cluster: Any, profiles: Any, pla
                     seed=seed, lengths=args.sim_lengths, task_mix={"lora": args.sim_tasks}, task_placement="spread",
                     task_popularity=Popularity(args.sim_zipf, args.sim_shift_s),
                     pet_balance=BalancePolicy(min_requests=args.sim_min_requests) if arm != "static" else None,
-                    pet_overlap_drains=arm == "migration, drains overlapped")  # fmt: skip
+                    pet_serial_drains=arm == "migration, serial drains")  # fmt: skip
     result = simulate(cluster, profiles, plan, cfg)
     tasks = result.tasks or {}
     t0 = args.sim_warmup_s
@@ -120,7 +120,7 @@ def bench_sim_migration(args: argparse.Namespace) -> None:
         if arm != "static":
             log.record(r, f"{arm} PET moves", res["moves"], "")
     log.ratio("migration ÷ static throughput", "migration decode tok/s", "static decode tok/s")
-    log.ratio("overlapped ÷ static throughput", "migration, drains overlapped decode tok/s", "static decode tok/s")
+    log.ratio("serial drains ÷ static throughput", "migration, serial drains decode tok/s", "static decode tok/s")
     report(out, log, f"PET migration vs static in the simulator: {cluster.name}, {args.sim_tasks} LoRA tasks spread, "
                      f"Zipf {args.sim_zipf} reshuffled every {args.sim_shift_s:.0f} s, {args.sim_lengths} lengths, "
                      f"{args.sim_duration_s:.0f} simulated s per arm",

@@ -15,7 +15,8 @@ group:
   the most (its requests counted as the target's from now on), repeating while the spread shrinks
   and is more than chance (``noise_z`` standard deviations of the difference of two Poisson
   counts), at most ``max_moves`` moves a round, each task once, never past a node's memory limit
-  for PETs (``node_task_bytes``). Every request counted on a node is its load (the base model's,
+  for PETs (``node_task_bytes``; a PET moved away whose source has not drained yet still counts
+  there). Every request counted on a node is its load (the base model's,
   and those of tasks moved away since: they ran there); only the tasks it holds move;
 * adapts the interval to the next round (PetS): ``phi < theta`` halves it (not below
   ``min_interval_s``), otherwise it grows by ``step_s`` (not above ``max_interval_s``).
@@ -88,6 +89,7 @@ class LoadView:
     holders: Mapping[str, frozenset[str]]  # a task held by some nodes only -> those (absent: every node)
     task_bytes: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (task, node) -> bytes held there
     capacity: Mapping[str, float] = field(default_factory=dict)  # node -> relative capacity (absent: 1)
+    draining_bytes: Mapping[str, int] = field(default_factory=dict)  # node -> PET bytes switched away, not yet freed
 
 
 @dataclass(slots=True)
@@ -130,7 +132,8 @@ class _Group:
                 if task and self.holds(task, node):
                     self.on[node][task] = self.on[node].get(task, 0.0) + count
         self.loads = {n: self.counted[n] / self.cap[n] for n in nodes}
-        self.used = {n: sum(view.task_bytes.get((t, n), 0) for t in view.tasks if self.holds(t, n)) for n in nodes}
+        self.used = {n: view.draining_bytes.get(n, 0) + sum(view.task_bytes.get((t, n), 0) for t in view.tasks
+                                                           if self.holds(t, n)) for n in nodes}  # fmt: skip
 
     def holds(self, task: str, node: str) -> bool:
         held = self.held.get(task)

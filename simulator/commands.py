@@ -59,9 +59,9 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     add_task_balance_arguments(p)  # as helix serve: --task-placement, --pet-balance and its settings
     p.add_argument("--pet-load-gb-per-s", type=float, default=2.0,
                    help="a node loads a migrated task's PET at this rate, GB/s (default: %(default)s)")
-    p.add_argument("--pet-overlap-drains", action="store_true",
-                   help="start the next PET move (and round) once a task is switched, not once its source drained "
-                        "(helix serve waits for the drain)")
+    p.add_argument("--pet-serial-drains", action="store_true",
+                   help="start the next PET move (and round) only once the last move's source drained, not at its "
+                        "switch as helix serve does (what waiting for the drains would cost)")
     p.add_argument("--membership", metavar="TRACE",
                    help="replay a membership trace (YAML: nodes killed, leaving and joining at times; docs/simulator.md): "
                         "the coordinator re-plans as helix serve does, and the results say what it cost")
@@ -110,7 +110,7 @@ def run_simulate(args: argparse.Namespace) -> int:
                     per_request_messages=args.per_request_messages, bucket_s=args.bucket_s,
                     task_mix=parse_task_mix(args.tasks) if args.tasks is not None else None,
                     task_popularity=popularity, task_placement=args.task_placement, pet_balance=balance,
-                    pet_load_gb_per_s=args.pet_load_gb_per_s, pet_overlap_drains=args.pet_overlap_drains,
+                    pet_load_gb_per_s=args.pet_load_gb_per_s, pet_serial_drains=args.pet_serial_drains,
                     **(LEGACY_MECHANISMS if args.legacy_mechanisms else {}))  # type: ignore[arg-type]
     total = args.warmup + args.duration
     if args.json:

@@ -17,12 +17,14 @@ asyncio and the task registry):
   holders and their PET bytes per node (nodes of a replica group taken as equally fast, as live); a
   judged window's counts are spent, an unjudged one's go on into the next;
 * **a move**, one after the other: *copy* (the target loads the PET for its layers, :func:`pet_layer_bytes`
-  per layer at ``load_gb_per_s``, while it serves), *switch* (between two core steps the task's holders
-  change; undone when the task would have no route), *drain* (requests in flight on the source finish
-  there: polled every :data:`DRAIN_POLL_S`), *free*. As live, the next move starts once the source is freed
-  and the next round once the last move is; ``SimConfig.pet_overlap_drains`` (``--pet-overlap-drains``, not
-  what ``helix serve`` does) starts them once the task is switched, the drains going on meanwhile: a move of
-  a task whose requests generate for minutes then no longer holds the balance up for minutes.
+  per layer at ``load_gb_per_s``, while it serves; nothing when the target still holds it, switched away
+  and not yet freed), *switch* (between two core steps the task's holders change; undone when the task
+  would have no route), then, apart, *drain* (requests in flight on the source finish there: polled every
+  :data:`DRAIN_POLL_S`) and *free*. As live, the next move and the next round start once the task is
+  switched, the drains going on meanwhile (a PET being drained counts in its node's bytes);
+  ``SimConfig.pet_serial_drains`` (``--pet-serial-drains``) makes them wait for the source to be freed:
+  what the live migrator did before, when a task whose requests generate for minutes held the balance
+  still for minutes.
 
 :meth:`TaskBalance.report` gives the moves, the rounds and, per ``bucket_s``, the balance ``phi`` of the
 worst replica group (its least-counted node's requests over its most-counted's) whether or not PETs move.
@@ -112,7 +114,7 @@ class TaskBalance:
         self.sim, self.tasks, self.model = sim, tasks, model
         self.policy = config.pet_balance
         self.load_gb_per_s = config.pet_load_gb_per_s
-        self.overlap_drains = config.pet_overlap_drains
+        self.serial_drains = config.pet_serial_drains
         self.counter = TaskCounter(config.bucket_s)
         sim.core.observer = TaskLoadObserver(sim.core.observer, self.counter.count)
         self.layer_bytes = {t: pet_layer_bytes(pet, model) for t, pet in tasks.pet_of.items()}
@@ -172,7 +174,16 @@ class TaskBalance:
         router: Router = self.sim.core.router
         layers = {n: r for n, r in router.topology.placement.items() if n not in router.dead and n not in router.draining}
         task_bytes = {(t, n): int(b * (e - s)) for t, b in self.layer_bytes.items() for n, (s, e) in layers.items()}
-        return LoadView(counts, layers, self.tasks.names, router.task_nodes.restricted(), task_bytes)
+        draining: dict[str, int] = {}
+        for m in self.moves:
+            if m.outcome == "draining" and m.src in layers:
+                draining[m.src] = draining.get(m.src, 0) + task_bytes[(m.task, m.src)]
+        return LoadView(counts, layers, self.tasks.names, router.task_nodes.restricted(), task_bytes,
+                        draining_bytes=draining)  # fmt: skip
+
+    def _draining(self, task: str, node: str) -> bool:
+        """Whether ``node`` still holds ``task``'s PET: switched away from it, not yet freed."""
+        return any(m.outcome == "draining" and m.task == task and m.src == node for m in self.moves)
 
     # -- a move: copy, switch, drain, free ------------------------------------------------------------
 
@@ -184,7 +195,7 @@ class TaskBalance:
         now = self.sim.now
         record = MoveRecord(move.task, move.src, move.dst, move.requests, now)
         self.moves.append(record)
-        if move.copy:
+        if move.copy and not self._draining(move.task, move.dst):
             s, e = self.sim.core.router.topology.placement[move.dst]
             record.copy_s = self.layer_bytes[move.task] * (e - s) / (self.load_gb_per_s * 1e9)
         self.sim.at(now + record.copy_s, functools.partial(self._switch, move, record))
@@ -202,8 +213,8 @@ class TaskBalance:
             return
         record.switched_s, record.outcome = sim.now, "draining"
         sim.to_coordinator([])  # the task's waiting requests may start on the target now
-        self._drain(move, record, then_next=not self.overlap_drains)
-        if self.overlap_drains:
+        self._drain(move, record, then_next=self.serial_drains)
+        if not self.serial_drains:
             self._next()
 
     def _drain(self, move: Move, record: MoveRecord, then_next: bool) -> None:

@@ -69,7 +69,7 @@ class SimConfig:
     task_placement: str = "all"
     pet_balance: BalancePolicy | None = None
     pet_load_gb_per_s: float = 2.0
-    pet_overlap_drains: bool = False  # the next PET move and round start at a switch, not once the source is freed
+    pet_serial_drains: bool = False  # the next PET move and round wait until the source is freed (helix serve: at the switch)
 
     def check(self) -> None:
         """ConfigError naming the first setting out of range."""

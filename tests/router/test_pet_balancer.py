@@ -53,6 +53,9 @@ def test_an_idle_or_oversized_task_does_not_stop_the_balancing() -> None:
     assert [m.task for m in moves] == ["b"]
     tight = BalancePolicy(noise_z=0, node_task_bytes={"cpu-2": 250})
     assert plan_moves(GROUP, view({"a": 50, "b": 30, "d": 5, "e": 5}, task_bytes=bytes_), tight) == []
+    # a PET moved away from cpu-2 and not yet freed there (its requests still draining) takes the room
+    assert plan_moves(GROUP, view({"a": 50, "b": 30, "c": 10, "d": 5, "e": 5}, task_bytes=bytes_,
+                                  draining_bytes={"cpu-2": 100}), policy) == []  # fmt: skip
 
 
 def test_a_task_every_node_holds_moves_by_an_unload_and_the_base_load_stays() -> None:

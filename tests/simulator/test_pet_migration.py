@@ -162,11 +162,11 @@ def test_task_options_without_tasks_are_refused(flag: list[str]) -> None:
 
 
 
-def test_overlapped_drains_move_as_well() -> None:
+def test_serial_drains_move_as_well() -> None:
     cluster, profiles, plan = _replicas()
     static = simulate(cluster, profiles, plan, SimConfig(**SKEW))  # type: ignore[arg-type]
-    cfg = SimConfig(**SKEW, pet_balance=POLICY, pet_overlap_drains=True)  # type: ignore[arg-type]
-    overlapped = simulate(cluster, profiles, plan, cfg)
-    assert overlapped.tasks is not None and overlapped.tasks["moves_done"] >= 1
-    assert all(m["switched_s"] is not None for m in overlapped.tasks["moves"])
-    assert overlapped.decode_tok_s > 1.05 * static.decode_tok_s
+    cfg = SimConfig(**SKEW, pet_balance=POLICY, pet_serial_drains=True)  # type: ignore[arg-type]
+    serial = simulate(cluster, profiles, plan, cfg)
+    assert serial.tasks is not None and serial.tasks["moves_done"] >= 1
+    assert all(m["switched_s"] is not None for m in serial.tasks["moves"])
+    assert serial.decode_tok_s > 1.05 * static.decode_tok_s
