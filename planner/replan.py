@@ -35,7 +35,10 @@ load); the search maximises the objective (``current``'s unless told) minus that
    or step 4's best, the relabelled plan from scratch, and under ``serving`` the same search
    run on the max flow first — best start first, then restarts from the best;
 6. **fallback**: when the incremental plan's objective is below ``fallback_below`` (default
-   0.95) times the from-scratch plan's, the from-scratch plan is the answer.
+   0.95) times the from-scratch plan's, or (under ``serving``) its max flow is below that share of the
+   from-scratch plan's, the from-scratch plan is the answer. The move search prices a max flow below
+   the floor but cannot promise it: when step 3 runs out of time (a loaded machine), the search alone
+   kept the serving estimate of single24 less ``a100-9`` with 13 layers moved at 82 % of the max flow.
    ``fallback_below=0`` skips step 2 (no fallback); above 1 always falls back.
 
 The searches stop after :data:`STALL_CANDIDATES` candidates without a gain (a count, not
@@ -180,7 +183,8 @@ def replan(cluster: ClusterSpec, profiles: ProfileSet, current: Plan, options: R
                           options, search, limit)
     inc_plan = _finish(cluster, profiles, cap, found, options, deadline, t0)
     values["incremental"] = ev.score(found.placement).key[0]
-    decision, reason = _decide(values, options.fallback_below)
+    flows = {"incremental": inc_plan.max_flow_tok_s} | ({"from-scratch": scratch.max_flow_tok_s} if scratch else {})
+    decision, reason = decide(values, flows if objective == Objective.SERVING else {}, options.fallback_below)
     chosen = inc_plan if decision == "incremental" else scratch
     assert chosen is not None
     moves = node_moves(old, chosen.placement)
@@ -358,12 +362,19 @@ def _from_scratch(cluster: ClusterSpec, profiles: ProfileSet, cap: CapacityModel
     return again if again.max_flow_tok_s >= plan.max_flow_tok_s * (1 - 1e-9) else plan
 
 
-def _decide(values: dict[str, float], fallback_below: float) -> tuple[str, str]:
-    """Incremental or from scratch, and why (module docstring, step 5)."""
+def decide(values: dict[str, float], max_flows: dict[str, float], fallback_below: float) -> tuple[str, str]:
+    """Incremental or from scratch, and why (module docstring, step 6): ``values`` the objective of each plan
+    ("incremental", "from-scratch" when there is one), ``max_flows`` their max flows when they must keep
+    the floor as well (under ``serving``; empty: the objective is the max flow)."""
     if "from-scratch" not in values:
         return "incremental", "fallback off" if fallback_below <= 0 else "no plan from scratch in time"
     inc, scratch = values["incremental"], values["from-scratch"]
     ratio = inc / scratch if scratch > 0 else 1.0
     if ratio < fallback_below:
         return "from-scratch", f"incremental objective is {ratio:.1%} of from-scratch's (< {fallback_below:.0%})"
+    if max_flows:
+        flow = max_flows["incremental"] / max_flows["from-scratch"] if max_flows["from-scratch"] > 0 else 1.0
+        if flow < fallback_below:
+            return "from-scratch", (f"incremental objective is {ratio:.1%} of from-scratch's but its max flow "
+                                    f"{flow:.1%} (< {fallback_below:.0%})")  # fmt: skip
     return "incremental", f"incremental objective is {ratio:.1%} of from-scratch's (>= {fallback_below:.0%})"

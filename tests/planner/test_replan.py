@@ -17,7 +17,7 @@ from planner.api import make_plan
 from planner.capacity import CapacityModel
 from planner.moves import layers_moved, node_moves, relabel, renamed
 from planner.repair import warm_start
-from planner.replan import ReplanOptions, replan, with_nodes, without_nodes
+from planner.replan import ReplanOptions, decide, replan, with_nodes, without_nodes
 
 from .conftest import DEMO, load, mixed_cluster
 
@@ -106,6 +106,15 @@ def test_fallback_to_the_plan_from_scratch_when_forced(mixed13) -> None:
     assert r.decision == "from-scratch" and r.plan is r.scratch and "< 200%" in r.reason
     _valid(r.plan, smaller, profiles)
     assert r.layers_moved == r.scratch_layers_moved
+
+
+def test_under_serving_a_plan_that_keeps_the_estimate_but_loses_max_flow_falls_back() -> None:
+    values = {"incremental": 99.0, "from-scratch": 100.0}  # the serving estimates: within the floor
+    keeps, _ = decide(values, {"incremental": 96.0, "from-scratch": 100.0}, 0.95)
+    loses, why = decide(values, {"incremental": 82.1, "from-scratch": 100.0}, 0.95)
+    assert keeps == "incremental" and loses == "from-scratch" and "max flow 82.1% (< 95%)" in why
+    assert decide(values, {}, 0.95)[0] == "incremental"  # under max-flow the objective is the max flow
+    assert decide({"incremental": 90.0, "from-scratch": 100.0}, {}, 0.95)[0] == "from-scratch"
 
 
 def _demo_file(tmp_path: Path, drop: set[str]) -> Path:
