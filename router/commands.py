@@ -49,7 +49,7 @@ def add_task_balance_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pet-balance-interval-s", type=float, nargs=2, default=[1.0, 60.0], metavar=("MIN", "MAX"),
                    help="bounds of the adaptive interval between balancing rounds")
     p.add_argument("--pet-balance-min-requests", type=int, default=32,
-                   help="judge the balance only once this many requests were counted since the last round")
+                   help="judge the balance only once every group of replicas counted this many requests since the last round")
     p.add_argument("--pet-node-bytes", action="append", default=[], metavar="NODE=BYTES",
                    help="the most PET bytes NODE may hold after a migration (repeatable; default: no limit)")
 

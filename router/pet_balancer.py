@@ -55,7 +55,7 @@ class BalancePolicy:
     max_interval_s: float = 60.0
     step_s: float = 2.0  # the interval grows by this after a balanced round
     max_moves: int = 8  # PET moves per round at most
-    min_requests: int = 32  # a window with fewer requests counted is not judged (phi = 1; the caller keeps counting)
+    min_requests: int = 32  # a window in which a replica group counted fewer requests is not judged (phi = 1; the caller keeps counting)
     noise_z: float = 2.0  # a spread within this many standard deviations of chance (Poisson counts) is no imbalance
     node_task_bytes: Mapping[str, int] = field(default_factory=dict)  # node -> most PET bytes it holds; absent: no limit
 
@@ -215,12 +215,16 @@ class PetBalancer:
         the next interval (from now)."""
         policy = self.policy
         groups = [g for g in replica_groups(view.layers) if len(g) > 1]
-        grouped = {n for g in groups for n in g}
-        judged = sum(c for (_, n), c in view.counts.items() if n in grouped) >= max(policy.min_requests, 1)
+        counted = {tuple(g): sum(c for (_, n), c in view.counts.items() if n in g) for g in groups}
+        # every group must have counted min_requests: a request is counted once in each group its pipeline
+        # crosses, so a sum over the groups (8 on a cluster of 8 layer ranges) judged windows of 4 requests,
+        # whose chance spreads moved tasks back and forth every second
+        judged = bool(groups) and min(counted.values()) >= max(policy.min_requests, 1)
         phis = {tuple(g): imbalance(_Group(g, view).loads.values()) if judged else 1.0 for g in groups}
         moves = [m for g, phi in phis.items() if phi < policy.theta for m in plan_moves(list(g), view, policy)]
         phi = min(phis.values(), default=1.0)
-        self.interval_s = next_interval(self.interval_s, phi, policy)
+        if judged:  # a window too small to judge says nothing about the balance: the interval stays
+            self.interval_s = next_interval(self.interval_s, phi, policy)
         self.next_s = now + self.interval_s
         return Round(phi, moves, self.interval_s, judged)
 

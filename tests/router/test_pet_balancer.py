@@ -88,7 +88,15 @@ def test_phi_and_the_adaptive_interval() -> None:
     even = balancer.step(12.0, view({"a": 20, "d": 19}))
     assert even.phi == pytest.approx(19 / 20) and even.moves == [] and even.interval_s == 5.5
     quiet = balancer.step(17.5, view({"a": 5, "d": 0}))  # below min_requests: not judged
-    assert quiet.phi == 1.0 and quiet.moves == [] and quiet.interval_s == 7.0 and not quiet.judged
+    assert quiet.phi == 1.0 and quiet.moves == [] and quiet.interval_s == 5.5 and not quiet.judged  # it stays
+    # a request is counted once in each group of replicas it crosses: each group must count min_requests
+    two = {"a1": (0, 8), "a2": (0, 8), "b1": (8, 16), "b2": (8, 16)}
+    counts = {("t", "a1"): 4.0, ("t", "b1"): 4.0, ("u", "a2"): 3.0}  # 7 counted in group a, 4 in group b
+    few = PetBalancer(policy, now=0.0).step(8.0, LoadView(counts, two, ["t", "u"], {}))
+    assert not few.judged  # 11 in all, but no group counted 8
+    enough = PetBalancer(policy, now=0.0).step(8.0, LoadView({**counts, ("t", "a1"): 5.0, ("u", "b2"): 4.0},
+                                                             two, ["t", "u"], {}))  # fmt: skip
+    assert enough.judged
     with pytest.raises(ValueError, match="theta"):
         BalancePolicy(theta=0.0)
 
