@@ -152,7 +152,7 @@ def test_a_stalled_max_flow_search_on_a_geo_cluster_re_proves_its_bound(tmp_path
     cluster = load_cluster(geo.write_geo_cluster(tmp_path, 6, 48))
     seen: list[tuple[str, float | None]] = []
     res = optimize(cluster, load_profiles_for(cluster),
-                   PlannerOptions(objective="max-flow", time_limit_s=12, threads=1, stall_s=2.0),
+                   PlannerOptions(objective="max-flow", time_limit_s=20, threads=1, stall_s=2.0),
                    on_progress=lambda p: seen.append((p.message, p.bound_tok_s)))  # fmt: skip
     first = next(b for msg, b in seen if msg == "bound" and b is not None)
     assert res.stop_reason == "stalled"
