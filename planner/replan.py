@@ -37,8 +37,11 @@ load); the search maximises the objective (``current``'s unless told) minus that
 6. **fallback**: when the incremental plan's objective is below ``fallback_below`` (default
    0.95) times the from-scratch plan's, or (under ``serving``) its max flow is below that share of the
    from-scratch plan's, the from-scratch plan is the answer. The move search prices a max flow below
-   the floor but cannot promise it: when step 3 runs out of time (a loaded machine), the search alone
-   kept the serving estimate of single24 less ``a100-9`` with 13 layers moved at 82 % of the max flow.
+   the floor but cannot promise it (a sweep kept the serving estimate of single24 less ``a100-9`` with
+   13 layers moved at 82 % of the max flow). Weak: under ``serving`` the plan from scratch found in its
+   share of the time is one of two plans of about the same estimate and max flows 1476 or 952 tok/s on
+   single24 less an A100, as the wall clock falls, and every max-flow floor here follows it
+   (bench/README, ``elastic.py`` run 3).
    ``fallback_below=0`` skips step 2 (no fallback); above 1 always falls back.
 
 The searches stop after :data:`STALL_CANDIDATES` candidates without a gain (a count, not
