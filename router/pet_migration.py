@@ -68,8 +68,7 @@ class PetMigrator:
         self._counts: dict[tuple[str, str], float] = {}
         self._lock = threading.Lock()  # counts come from the transport's I/O thread
         self._moving: asyncio.Future[None] | None = None  # the round's copies and switches
-        self._drains: set[asyncio.Task[None]] = set()  # switched moves whose sources are still draining
-        self._draining: dict[tuple[str, str], int] = {}  # (task, source) -> moves switched away from it, not freed
+        self._drains: dict[asyncio.Task[None], Move] = {}  # switched moves whose sources are still draining
         self._freeing: set[tuple[str, str]] = set()  # (task, node): an unload under way
         core = serving.driver.core
         core.observer = TaskLoadObserver(core.observer, self.count)
@@ -117,7 +116,7 @@ class PetMigrator:
         ready = self.serving.tasks.ready()
         task_bytes = {(t.name, n): b for t in ready for n, b in t.nbytes.items()}
         draining: dict[str, int] = {}
-        for task, node in self._draining:
+        for task, node in {(m.task, m.src) for m in self._drains.values()}:
             draining[node] = draining.get(node, 0) + task_bytes.get((task, node), 0)
         return LoadView(counts, layers, [t.name for t in ready], holders, task_bytes, draining_bytes=draining)
 
@@ -165,11 +164,9 @@ class PetMigrator:
                 await registry.free_on(task, move.dst)
             return False
         self.switches += 1
-        key = (task, move.src)
-        self._draining[key] = self._draining.get(key, 0) + 1
         drain = asyncio.ensure_future(self._drain(move))
-        self._drains.add(drain)
-        drain.add_done_callback(self._drains.discard)
+        self._drains[drain] = move
+        drain.add_done_callback(lambda done: self._drains.pop(done, None))
         return True
 
     def _still_on(self, task: str, node: str) -> bool:
@@ -178,15 +175,10 @@ class PetMigrator:
         return entry is not None and node in entry.nbytes and (task, node) not in self._freeing
 
     async def _drain(self, move: Move) -> None:
-        key = (move.task, move.src)
         try:
             await self.drain_and_free(move)
         except Exception:  # the PET stays on the source; never kill the loop
             log.exception("PET migration: freeing %s on %s failed", move.task, move.src)
-        finally:
-            self._draining[key] -= 1
-            if not self._draining[key]:
-                del self._draining[key]
 
     async def drain_and_free(self, move: Move) -> None:
         """Once no request of ``move.task`` runs through ``move.src``, unload it there, unless the task
