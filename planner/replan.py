@@ -13,7 +13,9 @@ load); the search maximises the objective (``current``'s unless told) minus that
    relabelled among interchangeable nodes to keep layers where they are (``moves.relabel``);
 3. **fewest moves** (``planner.min_moves``, when the cluster is small enough: at most
    :data:`EXACT_MAX_RANGES` node ranges, and in :data:`EXACT_SHARE` of the time): the exact fewest
-   layers moved that keep the max flow at ``fallback_below`` times the from-scratch plan's, and
+   layers moved that keep the max flow at ``fallback_below`` times the reachable max flow
+   (:func:`reachable_max_flow`: the from-scratch plan's, or the most among the placements its search
+   scored of about its objective), and
    among those the most flow, a covering MILP checked by the max flow; its placement joins the
    starts of step 5 and its proven minimum is recorded. It finds what the local search's moves
    cannot reach in one step: a node that gives up its range to fill the hole a leaver left while
@@ -29,19 +31,19 @@ load); the search maximises the objective (``current``'s unless told) minus that
    the shortfall is how far the objective is below the fallback floor, ``fallback_below`` times
    the from-scratch plan's, plus under ``max-flow`` each layer's coverage below it on average: a
    gradient towards the floor where the minimum alone has none; under ``serving`` also how far the
-   max flow is below ``fallback_below`` times the from-scratch plan's, as a share of the floor: plans of about the same serving estimate differ by up to 30 % in max
-   flow, and the max flow is what a re-plan is judged by) and with re-planning's moves (``anchor``: back to a node's current
-   range, boundary shifts, ejection chains), from every start — the warm start, step 3's placement
+   max flow is below ``fallback_below`` times the reachable max flow, as a share of the floor: plans
+   of about the same serving estimate differ by up to 35 % in max flow, and the max flow is what a
+   re-plan is judged by) and with re-planning's moves (``anchor``: back to a node's current range, boundary shifts, ejection chains), from every start — the warm start, step 3's placement
    or step 4's best, the relabelled plan from scratch, and under ``serving`` the same search
    run on the max flow first — best start first, then restarts from the best;
 6. **fallback**: when the incremental plan's objective is below ``fallback_below`` (default
    0.95) times the from-scratch plan's, or (under ``serving``) its max flow is below that share of the
-   from-scratch plan's, the from-scratch plan is the answer. The move search prices a max flow below
-   the floor but cannot promise it (a sweep kept the serving estimate of single24 less ``a100-9`` with
-   13 layers moved at 82 % of the max flow). Weak: under ``serving`` the plan from scratch found in its
-   share of the time is one of two plans of about the same estimate and max flows 1476 or 952 tok/s on
-   single24 less an A100, as the wall clock falls, and every max-flow floor here follows it
-   (bench/README, ``elastic.py`` run 3).
+   reachable max flow and the from-scratch plan's is higher, the from-scratch plan is the answer. The
+   move search prices a max flow below the floor but cannot promise it (a sweep kept the serving
+   estimate of single24 less ``a100-9`` with 13 layers moved at 82 % of the max flow). Under
+   ``serving`` the plan from scratch found in its share of the time is one of two plans of about the
+   same estimate and max flows 1476 or 952 tok/s on single24 less an A100, as the wall clock falls,
+   so the floors follow the reachable max flow, not that plan's.
    ``fallback_below=0`` skips step 2 (no fallback); above 1 always falls back.
 
 The searches stop after :data:`STALL_CANDIDATES` candidates without a gain (a count, not
@@ -176,17 +178,19 @@ def replan(cluster: ClusterSpec, profiles: ProfileSet, current: Plan, options: R
                                 required=bool(uncovered))
     values: dict[str, float] = {}
     fewest = None
+    reach = reachable_max_flow(scratch)
     if scratch is not None:
         values["from-scratch"] = ev.score(as_placement(scratch.placement)).key[0]
-        fewest = _fewest(cap, old, scratch, options, search.within(EXACT_SHARE * limit))
+        fewest = _fewest(cap, old, reach, options, search.within(EXACT_SHARE * limit))
     if fewest is not None and fewest.placement is not None and _settles(fewest, scratch, objective):
         found = ev.score(fewest.placement)  # the fewest moves at the best max flow there is: nothing scores more
     else:
-        found = _searches(ev, old, None if uncovered else start, scratch, values.get("from-scratch", 0.0), fewest,
-                          options, search, limit)
+        found = _searches(ev, old, None if uncovered else start, scratch, values.get("from-scratch", 0.0), reach,
+                          fewest, options, search, limit)
     inc_plan = _finish(cluster, profiles, cap, found, options, deadline, t0)
     values["incremental"] = ev.score(found.placement).key[0]
-    flows = {"incremental": inc_plan.max_flow_tok_s} | ({"from-scratch": scratch.max_flow_tok_s} if scratch else {})
+    flows = {"incremental": inc_plan.max_flow_tok_s, "reachable": reach}
+    flows |= {"from-scratch": scratch.max_flow_tok_s} if scratch else {}
     decision, reason = decide(values, flows if objective == Objective.SERVING else {}, options.fallback_below)
     chosen = inc_plan if decision == "incremental" else scratch
     assert chosen is not None
@@ -228,14 +232,25 @@ def _check_feasible(cap: CapacityModel, cluster: ClusterSpec, removed: list[str]
     )
 
 
-def _fewest(cap: CapacityModel, old: Placement, scratch: Plan, options: ReplanOptions,
+def reachable_max_flow(scratch: Plan | None) -> float:
+    """The max flow a plan from scratch reaches, which every max-flow floor here is a share of: the
+    from-scratch plan's, or, when higher, the most max flow among the placements its search scored
+    within ``planner.optimize.NEAR_BEST`` of its objective (``stats["near_best_max_flow_tok_s"]``):
+    under ``serving`` plans of about the same estimate differ by up to 35 % in max flow, and which one
+    a search in seconds returns follows the wall clock (0: no plan from scratch)."""
+    if scratch is None:
+        return 0.0
+    return max(scratch.max_flow_tok_s, float(scratch.stats.get("near_best_max_flow_tok_s", 0.0)))
+
+
+def _fewest(cap: CapacityModel, old: Placement, reach: float, options: ReplanOptions,
             search: Deadline) -> FewestMoves | None:
     """Step 3 of the module docstring (None: the cluster has too many ranges, or no floor to keep)."""
-    floor = options.fallback_below * scratch.max_flow_tok_s
+    floor = options.fallback_below * reach
     if floor <= 0 or range_count(cap) > EXACT_MAX_RANGES or search.expired():
         return None
     return fewest_moves(cap, old, floor, partial_handoffs=options.partial_handoffs, deadline=search,
-                        threads=EXACT_THREADS, then_max_flow_s=search.remaining(), enough_tok_s=scratch.max_flow_tok_s)
+                        threads=EXACT_THREADS, then_max_flow_s=search.remaining(), enough_tok_s=reach)
 
 
 def _settles(fewest: FewestMoves, scratch: Plan | None, objective: Objective) -> bool:
@@ -247,7 +262,8 @@ def _settles(fewest: FewestMoves, scratch: Plan | None, objective: Objective) ->
 
 
 def _searches(ev: Evaluator, old: Placement, start: Placement | None, scratch: Plan | None, scratch_value: float,
-              fewest: FewestMoves | None, options: ReplanOptions, search: Deadline, limit: float) -> Scored:
+              reach: float, fewest: FewestMoves | None, options: ReplanOptions, search: Deadline,
+              limit: float) -> Scored:
     """Steps 4 and 5 of the module docstring from the warm start (None: it left layers uncovered)."""
     # the objective search, and under serving a first move search, run on the max flow: microseconds a move
     flow_ev = ev if ev.objective == Objective.MAX_FLOW.value else Evaluator(
@@ -260,7 +276,7 @@ def _searches(ev: Evaluator, old: Placement, start: Placement | None, scratch: P
         starts.append(as_placement(scratch.placement))
     if exact is not None:
         starts.append(exact)
-    floor = options.fallback_below * (scratch.max_flow_tok_s if scratch is not None else 0.0)
+    floor = options.fallback_below * reach
     if flow_ev is not ev:
         starts.append(_move_search(flow_ev, old, starts, options, search.within(SEARCH_SHARE * limit),
                                    floor=floor).placement)
@@ -367,8 +383,10 @@ def _from_scratch(cluster: ClusterSpec, profiles: ProfileSet, cap: CapacityModel
 
 def decide(values: dict[str, float], max_flows: dict[str, float], fallback_below: float) -> tuple[str, str]:
     """Incremental or from scratch, and why (module docstring, step 6): ``values`` the objective of each plan
-    ("incremental", "from-scratch" when there is one), ``max_flows`` their max flows when they must keep
-    the floor as well (under ``serving``; empty: the objective is the max flow)."""
+    ("incremental", "from-scratch" when there is one), ``max_flows`` their max flows and the ``reachable``
+    one (:func:`reachable_max_flow`) when they must keep the floor as well (under ``serving``; empty: the
+    objective is the max flow). Below the max-flow floor, the plan from scratch is the answer only when it
+    has more max flow than the incremental one."""
     if "from-scratch" not in values:
         return "incremental", "fallback off" if fallback_below <= 0 else "no plan from scratch in time"
     inc, scratch = values["incremental"], values["from-scratch"]
@@ -376,8 +394,9 @@ def decide(values: dict[str, float], max_flows: dict[str, float], fallback_below
     if ratio < fallback_below:
         return "from-scratch", f"incremental objective is {ratio:.1%} of from-scratch's (< {fallback_below:.0%})"
     if max_flows:
-        flow = max_flows["incremental"] / max_flows["from-scratch"] if max_flows["from-scratch"] > 0 else 1.0
-        if flow < fallback_below:
+        reach = max(max_flows.get("reachable", 0.0), max_flows["from-scratch"])
+        flow = max_flows["incremental"] / reach if reach > 0 else 1.0
+        if flow < fallback_below and max_flows["from-scratch"] > max_flows["incremental"]:
             return "from-scratch", (f"incremental objective is {ratio:.1%} of from-scratch's but its max flow "
-                                    f"{flow:.1%} (< {fallback_below:.0%})")  # fmt: skip
+                                    f"{flow:.1%} of the reachable (< {fallback_below:.0%})")  # fmt: skip
     return "incremental", f"incremental objective is {ratio:.1%} of from-scratch's (>= {fallback_below:.0%})"

@@ -14,10 +14,13 @@ from helix.errors import InfeasiblePlanError
 from helix.plan import Plan, check_plan, load_plan
 from helix.spec import NodeSpec
 from planner.api import make_plan
+from planner.candidates import CandidatePool
 from planner.capacity import CapacityModel
+from planner.local_search import Scored
 from planner.moves import layers_moved, node_moves, relabel, renamed
+from planner.optimize import near_best_max_flow
 from planner.repair import warm_start
-from planner.replan import ReplanOptions, decide, replan, with_nodes, without_nodes
+from planner.replan import ReplanOptions, decide, reachable_max_flow, replan, with_nodes, without_nodes
 
 from .conftest import DEMO, load, mixed_cluster
 
@@ -112,9 +115,37 @@ def test_under_serving_a_plan_that_keeps_the_estimate_but_loses_max_flow_falls_b
     values = {"incremental": 99.0, "from-scratch": 100.0}  # the serving estimates: within the floor
     keeps, _ = decide(values, {"incremental": 96.0, "from-scratch": 100.0}, 0.95)
     loses, why = decide(values, {"incremental": 82.1, "from-scratch": 100.0}, 0.95)
-    assert keeps == "incremental" and loses == "from-scratch" and "max flow 82.1% (< 95%)" in why
+    assert keeps == "incremental" and loses == "from-scratch" and "max flow 82.1% of the reachable (< 95%)" in why
     assert decide(values, {}, 0.95)[0] == "incremental"  # under max-flow the objective is the max flow
     assert decide({"incremental": 90.0, "from-scratch": 100.0}, {}, 0.95)[0] == "from-scratch"
+
+
+def test_under_serving_the_max_flow_floor_is_the_reachable_max_flow_not_the_plan_from_scratch() -> None:
+    values = {"incremental": 99.0, "from-scratch": 100.0}
+    # the plan from scratch has a weak max flow; the search reached more: the floor is 95 % of that
+    weak, why = decide(values, {"incremental": 100.0, "from-scratch": 140.0, "reachable": 150.0}, 0.95)
+    assert weak == "from-scratch" and "max flow 66.7% of the reachable" in why
+    # below the floor, but the plan from scratch has no more max flow: falling back would only move layers
+    assert decide(values, {"incremental": 100.0, "from-scratch": 95.0, "reachable": 150.0}, 0.95)[0] == "incremental"
+    assert decide(values, {"incremental": 143.0, "from-scratch": 100.0, "reachable": 150.0}, 0.95)[0] == "incremental"
+
+
+def test_under_serving_the_reachable_max_flow_is_the_most_among_placements_of_about_the_best_estimate(
+        mixed13) -> None:
+    cluster, profiles, _ = mixed13
+    plan = make_plan(cluster, profiles, objective="serving", time_limit_s=3, simulate=False)
+    reach = reachable_max_flow(plan)
+    assert plan.stats["near_best_max_flow_tok_s"] >= plan.max_flow_tok_s * (1 - 1e-6)  # the chosen one counts
+    assert reach == pytest.approx(plan.stats["near_best_max_flow_tok_s"]) and reach <= (plan.upper_bound_tok_s or 0.0) * 1.001
+    assert reachable_max_flow(None) == 0.0
+
+
+def test_near_best_max_flow_takes_the_most_among_placements_within_five_percent_of_the_best_estimate() -> None:
+    pool = CandidatePool(ev=None, report=lambda *_: None, nodes=set())  # type: ignore[arg-type]
+    for i, (estimate, flow) in enumerate([(100.0, 952.0), (98.7, 1476.0), (94.0, 2000.0)]):
+        pool.scored[frozenset({(f"n{i}", LayerRange(0, 1))})] = Scored({f"n{i}": LayerRange(0, 1)}, (estimate,), flow)
+    pool.best = max(pool.scored.values(), key=lambda s: s.key)
+    assert near_best_max_flow(pool) == 1476.0  # 2000 tok/s is 6 % below the best estimate: not near it
 
 
 def _demo_file(tmp_path: Path, drop: set[str]) -> Path:
