@@ -8,6 +8,11 @@ VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_TESTS := tests/node_agent tests/router tests/profiler
 
+# The main suite runs in this many pytest-xdist workers, a test file each at a time (its module
+# fixtures, the live clusters, start once): the machine's cores, at least 2 (much of a live test is
+# waiting on sockets and process starts) and at most 4 (a live test holds up to ~4 GB: several agents).
+TEST_WORKERS ?= $(shell $(PY) -c "import os; print(min(4, max(2, os.cpu_count() or 1)))")
+
 .PHONY: demo test lint bench setup setup-vllm clean
 
 $(BIN)/python:
@@ -47,7 +52,7 @@ demo: $(STAMP)
 # mostly download and unpacking, which hide behind the tests (its log: .venv-vllm-setup.log).
 test: $(STAMP)
 	@nice -n 19 $(MAKE) --no-print-directory setup-vllm > $(VLLM_VENV)-setup.log 2>&1 & setup=$$!; \
-	$(BIN)/ruff check . && $(BIN)/mypy && $(BIN)/python -m pytest -q; main=$$?; \
+	$(BIN)/ruff check . && $(BIN)/mypy && $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile; main=$$?; \
 	if ! wait $$setup; then echo "building $(VLLM_VENV) failed:"; tail -40 $(VLLM_VENV)-setup.log; exit 1; fi; \
 	$(VLLM_BIN)/python -m pytest -q -m vllm $(VLLM_TESTS); vllm=$$?; \
 	exit $$(( main || vllm ))

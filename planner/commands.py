@@ -345,5 +345,5 @@ def run_show(args: argparse.Namespace) -> int:
     except ImportError as exc:  # pragma: no cover - matplotlib is a test/extra dependency
         raise HelixError(f"helix show needs matplotlib ({exc})") from None
     save_plan_png(plan, cluster, profiles, Path(args.png))
-    Console(highlight=False).print(f"wrote [bold]{args.png}[/]")
+    Console(highlight=False).print(f"wrote [bold]{escape(str(args.png))}[/]", soft_wrap=True)  # a path stays whole
     return 0

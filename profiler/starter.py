@@ -190,9 +190,10 @@ def run_init(args: argparse.Namespace) -> int:
 
         write_profiles(write_profiles_to, profiles, f"Roofline estimates (helix init) for {model}; max_layers "
                        f"keeps the {reserve.describe()}.\nSee docs/profiler.md; latency curves are per ONE layer.")  # fmt: skip
-        console.print(f"wrote [bold]{escape(str(write_profiles_to))}[/] (roofline estimates, {reserve.describe()})")
+        console.print(f"wrote [bold]{escape(str(write_profiles_to))}[/] (roofline estimates, {reserve.describe()})",
+                      soft_wrap=True)
     out.write_text(text)
-    console.print(f"wrote [bold]{escape(str(out))}[/]: {len(cluster.nodes)} nodes serving {escape(model)}")
+    console.print(f"wrote [bold]{escape(str(out))}[/]: {len(cluster.nodes)} nodes serving {escape(model)}", soft_wrap=True)
     for gpu in dict.fromkeys(n.gpu for n in cluster.nodes):
         tp = profiles.throughput(gpu, model)
         console.print(f"  {escape(gpu)}: at most {tp.max_layers} layers each")
