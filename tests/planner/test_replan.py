@@ -140,12 +140,12 @@ def test_under_serving_the_reachable_max_flow_is_the_most_among_placements_of_ab
     assert reachable_max_flow(None) == 0.0
 
 
-def test_near_best_max_flow_takes_the_most_among_placements_within_five_percent_of_the_best_estimate() -> None:
+def test_near_best_max_flow_takes_the_most_among_placements_within_two_percent_of_the_best_estimate() -> None:
     pool = CandidatePool(ev=None, report=lambda *_: None, nodes=set())  # type: ignore[arg-type]
-    for i, (estimate, flow) in enumerate([(100.0, 952.0), (98.7, 1476.0), (94.0, 2000.0)]):
+    for i, (estimate, flow) in enumerate([(100.0, 952.0), (98.7, 1476.0), (95.4, 2000.0)]):
         pool.scored[frozenset({(f"n{i}", LayerRange(0, 1))})] = Scored({f"n{i}": LayerRange(0, 1)}, (estimate,), flow)
     pool.best = max(pool.scored.values(), key=lambda s: s.key)
-    assert near_best_max_flow(pool) == 1476.0  # 2000 tok/s is 6 % below the best estimate: not near it
+    assert near_best_max_flow(pool) == 1476.0  # 2000 tok/s is 4.6 % below the best estimate: not near it
 
 
 def _demo_file(tmp_path: Path, drop: set[str]) -> Path:
