@@ -318,11 +318,15 @@ def load_for_evaluation(path: str | Path, cluster: ClusterSpec, profiles: Profil
 
 
 def evaluate_plan(cluster: ClusterSpec, profiles: ProfileSet, plan: Plan, *, partial_handoffs: bool = True) -> Plan:
-    """Recompute a plan's max flow, flows and bottleneck on this cluster (keeps its method)."""
+    """Recompute a plan's max flow, flows and bottleneck on this cluster (keeps its method). ConfigError
+    naming the node when a range does not fit it or the cluster has no such node."""
+    cap = CapacityModel.build(cluster, profiles)
+    _check_placement(cap, plan.placement, source=f"plan {plan.method!r} for cluster {plan.cluster!r}")
     return finish_plan(
         cluster,
         profiles,
         dict(plan.placement),
+        cap=cap,
         method=plan.method,
         partial_handoffs=partial_handoffs,
         objective="max-flow",

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from helix.cli import main
+from helix.errors import ConfigError
 from planner.api import evaluate_plan, load_checked_plan
 
 from .conftest import REFERENCE, SINGLE24
@@ -21,6 +22,17 @@ def test_evaluator_reproduces_the_paper(single24, name: str, partial: bool, expe
     got = evaluate_plan(cluster, profiles, plan, partial_handoffs=partial)
     assert got.max_flow_tok_s == pytest.approx(expected, rel=1e-3)
     assert got.flows and got.bottleneck
+
+
+def test_evaluating_a_range_that_does_not_fit_its_node_names_the_node(single24) -> None:
+    cluster, profiles = single24
+    plan = load_checked_plan(REFERENCE / "petals.json", cluster, profiles)
+    plan.placement = {**plan.placement, "a100-6": (0, 40)}  # an A100 holds 12 of the 80 layers
+    with pytest.raises(ConfigError, match=r"placement\.a100-6: range \[0, 40\) is not valid for this node"):
+        evaluate_plan(cluster, profiles, plan)
+    plan.placement = {"gone-1": (0, 10)}
+    with pytest.raises(ConfigError, match=r"placement\.gone-1: node 'gone-1' is not in the cluster"):
+        evaluate_plan(cluster, profiles, plan)
 
 
 @pytest.mark.parametrize(("name", "partial", "expected"), CASES)
