@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import nbclient
+import nbformat
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,8 +24,6 @@ def _images(nb) -> int:  # noqa: ANN001 - nbformat node
 
 @pytest.mark.parametrize("name", sorted(NOTEBOOKS))
 def test_notebook_executes_and_draws(name: str) -> None:
-    nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
     nb = nbformat.read(ROOT / "notebooks" / name, as_version=4)
     client = nbclient.NotebookClient(
         nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(ROOT / "notebooks")}}
@@ -36,15 +36,11 @@ def test_notebook_executes_and_draws(name: str) -> None:
 
 def test_placement_notebook_takes_any_cluster_and_plan(tmp_path: Path) -> None:
     """The parameters cell is honoured: the demo cluster with a plan made here."""
-    nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
     from helix.profile import load_profiles_for
     from helix.spec import load_cluster
     from planner.api import make_plan
 
     cluster_path = ROOT / "clusters" / "demo" / "cluster.yaml"
-    if not cluster_path.is_file():
-        pytest.skip("clusters/demo not there")
     cluster = load_cluster(cluster_path)
     plan = make_plan(cluster, load_profiles_for(cluster), method="petals")
     plan.save(tmp_path / "plan.json")

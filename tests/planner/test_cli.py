@@ -71,7 +71,6 @@ def test_console_script_subprocess() -> None:
 
 
 def test_default_method_is_our_optimizer(capsys) -> None:
-    pytest.importorskip("planner.optimize")
     cluster, _ = load(DEMO)
     plan = _plan_json(capsys, ["plan", str(DEMO), "--json", "--time-limit", "5", "--threads", "1"])
     assert plan["method"] == "helix" and set(plan["placement"]) <= set(cluster.node_ids)

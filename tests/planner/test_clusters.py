@@ -34,8 +34,6 @@ def test_demo_cluster_shape() -> None:
     [("paper-milp", "max-flow"), ("petals", "max-flow"), ("helix", "max-flow"), ("helix", "serving")],
 )
 def test_demo_plan_survives_losing_any_agent(method: str, objective: str) -> None:
-    if method == "helix":
-        pytest.importorskip("planner.optimize")
     cluster, profiles = load(DEMO)
     plan = make_plan(cluster, profiles, method=method, objective=objective, time_limit_s=5, threads=1)
     cap = CapacityModel.build(cluster, profiles)

@@ -16,8 +16,6 @@ from planner.replan import ReplanOptions, replan, without_nodes
 
 from .conftest import load, small_instance
 
-pytest.importorskip("planner.optimize")
-
 
 def _all_placements(cap: CapacityModel):
     per_node = [[(n, LayerRange(s, s + k)) for k in range(1, cap.max_layers[n] + 1)

@@ -24,8 +24,6 @@ from planner.replan import ReplanOptions, decide, reachable_max_flow, replan, wi
 
 from .conftest import DEMO, load, mixed_cluster
 
-pytest.importorskip("planner.optimize")
-
 MIX = ["A100"] * 3 + ["L4"] * 4 + ["T4"] * 6  # 88 layer slots for LLaMA-2 70B's 80: one T4 to spare
 
 

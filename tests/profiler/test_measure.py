@@ -27,8 +27,6 @@ QUICK = MeasureSettings(probe_layers=1, prefill_tokens=(8, 32), decode_batches=(
 
 @pytest.fixture()
 def demo(tmp_path: Path) -> Path:
-    if not (DEMO / "cluster.yaml").is_file():
-        pytest.skip("clusters/demo not there")
     shutil.copytree(DEMO, tmp_path / "demo")
     return tmp_path / "demo" / "cluster.yaml"
 
