@@ -7,7 +7,11 @@ A cluster with replicated layers, served for real: the demo cluster's three CPU 
 cpu-2 both holding layers [0, 28) and cpu-0 the last two (and the LM head), so every pipeline is
 cpu-1 -> cpu-0 or cpu-2 -> cpu-0. cpu-1's and cpu-2's agents are pinned to one core each (two
 machines' worth of replicas on a 2-core box), cpu-0's to a third where there are 4 cores or more;
-the coordinator and the clients take what is left.
+the coordinator and the clients take what is left. ``--replica-cpu-share F`` (default 0.5) also caps
+cpu-1's and cpu-2's agents at F of their core each (a CFS quota in a cgroup of their own; root and a
+cgroup ``cpu`` controller needed, ``0``: no cap): the time a replica leaves idle is then lost, as a GPU's
+is, instead of going to the coordinator and the clients, which share the same two cores. Without it
+an imbalance between the replicas costs this box little (two runs: 1.02× and 1.05×).
 ``--tasks`` random LoRA tasks (rank 8 on q/k/v/o) are loaded with ``helix serve --task-placement
 spread``: each on one of cpu-1 / cpu-2 (alternately) and on cpu-0. ``--clients`` closed-loop clients
 send ``--prompt-tokens``-token prompts for ``--max-tokens`` tokens of a task drawn from a Zipf
@@ -95,22 +99,79 @@ def write_tasks(root: Path, count: int) -> list[tuple[str, Path]]:
 class Serving(Cluster):
     """The agents of :data:`LAYOUT` (cpu-1, cpu-2 pinned) and ``helix serve`` with ``flags`` over them."""
 
-    def __init__(self, cluster_path: Path, plan_path: Path, workdir: Path, flags: list[str]) -> None:
-        super().__init__(cluster_path, plan_path, workdir, on_agents=_pin,
+    def __init__(self, cluster_path: Path, plan_path: Path, workdir: Path, flags: list[str], share: float) -> None:
+        self.quotas = ReplicaQuotas(share, workdir.name)
+        super().__init__(cluster_path, plan_path, workdir, on_agents=lambda agents: _pin(agents, self.quotas),
                          flags=["--no-replan", "--task-placement", "spread", *flags])  # fmt: skip
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self.quotas.remove()
 
     def health(self) -> dict[str, Any]:
         return dict(httpx.get(f"{self.url}/health", timeout=10).json())
 
 
-def _pin(agents: AgentProcesses) -> None:
-    """cpu-1 and cpu-2 on a core each (cpu-0 on a third where there are 4 cores or more)."""
+class ReplicaQuotas:
+    """A CFS quota of ``share`` of one core for each replica agent, in a cgroup of its own (v1's ``cpu``
+    controller or v2's ``cpu.max``); ``share`` 0: none."""
+
+    V1, V2 = Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup")
+
+    def __init__(self, share: float, tag: str) -> None:
+        self.share, self.tag = share, tag
+        self.made: list[Path] = []
+
+    @classmethod
+    def check(cls) -> str | None:
+        """Why quotas cannot be set here (None: they can)."""
+        v1 = (cls.V1 / "cpu.cfs_quota_us").is_file()
+        control = cls.V2 / "cgroup.subtree_control"
+        v2 = control.is_file() and "cpu" in control.read_text().split()
+        if not (v1 or v2):
+            return "no cgroup cpu controller"
+        return None if os.access(cls.V1 if v1 else cls.V2, os.W_OK) else "not root"
+
+    def cap(self, node: str, pid: int) -> None:
+        if self.share <= 0:
+            return
+        period = 100_000
+        quota = max(1_000, int(self.share * period))
+        if (self.V1 / "cpu.cfs_quota_us").is_file():
+            group = self.V1 / f"helix-bench-{self.tag}-{node}"
+            group.mkdir(exist_ok=True)
+            self.made.append(group)
+            (group / "cpu.cfs_period_us").write_text(str(period))
+            (group / "cpu.cfs_quota_us").write_text(str(quota))
+        else:
+            group = self.V2 / f"helix-bench-{self.tag}-{node}"
+            group.mkdir(exist_ok=True)
+            self.made.append(group)
+            (group / "cpu.max").write_text(f"{quota} {period}")
+        (group / "cgroup.procs").write_text(str(pid))  # the process and its threads, and what they start later
+
+    def remove(self) -> None:
+        for group in self.made:
+            try:
+                group.rmdir()  # the agents have exited: the group is empty
+            except OSError:
+                pass
+        self.made.clear()
+
+
+def _pin(agents: AgentProcesses, quotas: ReplicaQuotas) -> None:
+    """cpu-1 and cpu-2 on a core each, each capped at its quota (cpu-0 on a third core where there are 4
+    cores or more)."""
     import psutil
 
     cores = os.cpu_count() or 1
     for node, pinned in PINNED.items():
         if max(pinned) < cores and (cores >= 4 or node != "cpu-0"):
             psutil.Process(agents.agents[node].pid).cpu_affinity(pinned)
+        if node != "cpu-0":
+            quotas.cap(node, agents.agents[node].pid)
 
 
 def popularity(names: list[str], zipf: float, shift_s: float, seed: int, t: float) -> list[float]:
@@ -125,7 +186,7 @@ def run_arm(args: argparse.Namespace, arm: str, workdir: Path, tasks: list[tuple
     cluster_path, plan_path = write_cluster(workdir)
     flags = ["--pet-balance", "--pet-balance-interval-s", "2", "20", "--pet-balance-min-requests",
              str(args.min_requests)] if arm == "migration" else []  # fmt: skip
-    serving = Serving(cluster_path, plan_path, workdir, flags)
+    serving = Serving(cluster_path, plan_path, workdir, flags, args.replica_cpu_share)
     errors: list[str] = []
     answered: list[float] = []  # when each request was answered
     try:
@@ -171,6 +232,9 @@ def run_arm(args: argparse.Namespace, arm: str, workdir: Path, tasks: list[tuple
 
 
 def bench_migration(args: argparse.Namespace) -> None:
+    if args.replica_cpu_share > 0 and (why := ReplicaQuotas.check()) is not None:
+        raise SystemExit(f"--replica-cpu-share {args.replica_cpu_share}: cannot cap the replicas' CPU here ({why}); "
+                         "run as root, or pass --replica-cpu-share 0")
     log = RoundLog()
     workdir = Path(tempfile.mkdtemp(prefix="helix-pets-migration-"))
     try:
@@ -187,8 +251,9 @@ def bench_migration(args: argparse.Namespace) -> None:
         log.ratio("migration ÷ static throughput", "migration requests/s", "static requests/s")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+    cap = f", replicas capped at {args.replica_cpu_share:g} core each" if args.replica_cpu_share > 0 else ""
     report(out, log, f"PET migration vs static, {args.tasks} tasks, Zipf {args.zipf} reshuffled every "
-                     f"{args.shift_s:.0f} s, {args.clients} clients, {args.duration_s:.0f} s per arm", {
+                     f"{args.shift_s:.0f} s, {args.clients} clients, {args.duration_s:.0f} s per arm{cap}", {
         "migration ÷ static throughput": Target(">=", TARGET),
         "static failed requests": Target("<=", 0),
         "migration failed requests": Target("<=", 0),
@@ -206,6 +271,9 @@ def add_migration_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--min-requests", type=int, default=24,
                     help="helix serve --pet-balance-min-requests in the migration arm (default 24)")
     ap.add_argument("--max-tokens", type=int, default=4, help="tokens per answer (default 4)")
+    ap.add_argument("--replica-cpu-share", type=float, default=0.5,
+                    help="cap cpu-1's and cpu-2's agents at this share of their core (a cgroup CPU quota; root; "
+                         "0: no cap; default 0.5)")
 
 
 def main() -> int:
