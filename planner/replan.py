@@ -33,8 +33,8 @@ load); the search maximises the objective (``current``'s unless told) minus that
    gradient towards the floor where the minimum alone has none; under ``serving`` also how far the
    max flow is below ``fallback_below`` times the reachable max flow, as a share of the floor: plans
    of about the same serving estimate differ by up to 35 % in max flow, and the max flow is what a
-   re-plan is judged by) and with re-planning's moves (``anchor``: back to a node's current range, boundary shifts, ejection chains), from every start — the warm start, step 3's placement
-   or step 4's best, the relabelled plan from scratch, and under ``serving`` the same search
+   re-plan is judged by) and with re-planning's moves (``anchor``: back to a node's current range,
+   boundary shifts, ejection chains), from every start — the warm start, step 3's placement or step 4's best, the relabelled plan from scratch, and under ``serving`` the same search
    run on the max flow first — best start first, then restarts from the best;
 6. **fallback**: when the incremental plan's objective is below ``fallback_below`` (default
    0.95) times the from-scratch plan's, or (under ``serving``) its max flow is below that share of the
@@ -126,6 +126,7 @@ class Replan:
     values: dict[str, float] = field(default_factory=dict)  # the objective of each plan, by decision name
     wall_s: float = 0.0
     fewest: FewestMoves | None = None  # step 3's proven fewest moves (None: not run)
+    reachable_max_flow_tok_s: float = 0.0  # what the max-flow floors are a share of (0: no plan from scratch)
 
 
 def without_nodes(cluster: ClusterSpec, nodes: Sequence[str]) -> ClusterSpec:
@@ -200,7 +201,7 @@ def replan(cluster: ClusterSpec, profiles: ProfileSet, current: Plan, options: R
         bytes_moved=layers_moved(old, chosen.placement) * profiles.models[cluster.model].layer_weight_bytes,
         decision=decision, reason=reason, incremental=inc_plan, scratch=scratch,
         scratch_layers_moved=layers_moved(old, scratch.placement) if scratch is not None else None, values=values,
-        fewest=fewest,
+        fewest=fewest, reachable_max_flow_tok_s=reach,
     )
     out.wall_s = round(deadline.clock() - t0, 3)
     chosen.stats["replan"] = record(out)
@@ -213,6 +214,7 @@ def record(r: Replan) -> dict[str, Any]:
         "removed": r.removed, "added": r.added, "decision": r.decision, "reason": r.reason,
         "layers_moved": r.layers_moved, "bytes_moved": r.bytes_moved, "scratch_layers_moved": r.scratch_layers_moved,
         "values": {k: round(v, 3) for k, v in r.values.items()}, "wall_s": r.wall_s,
+        "reachable_max_flow_tok_s": round(r.reachable_max_flow_tok_s, 3),
         "moves": [m.to_dict() for m in r.moves if m.change != "kept"],
         **({"fewest": {"status": r.fewest.status, "lower_bound": r.fewest.lower_bound,
                        "layers_moved": r.fewest.layers_moved, "wall_s": round(r.fewest.wall_s, 3)}}

@@ -79,6 +79,9 @@ def test_removing_a_node_moves_few_layers(mixed13) -> None:
     assert r.layers_moved == layers_moved(full.placement, r.plan.placement)
     assert {m.node for m in r.moves if m.change == "leaves"} == {gone}
     assert r.plan.stats["replan"]["layers_moved"] == r.layers_moved and r.wall_s <= 4 + 1
+    reach = r.plan.stats["replan"]["reachable_max_flow_tok_s"]  # max-flow: the plan from scratch's own
+    assert reach == pytest.approx(r.scratch.max_flow_tok_s, rel=1e-3) and reach == pytest.approx(
+        r.reachable_max_flow_tok_s, abs=1e-3)
 
 
 def test_adding_a_node_gives_it_layers_and_moves_little_else(mixed13) -> None:
