@@ -48,17 +48,13 @@ setup-vllm: $(VLLM_STAMP)
 demo: $(STAMP)
 	$(BIN)/helix demo
 
-# Beside lint and the main suite: the vLLM venv builds at the lowest CPU priority (its ~3 min are
-# mostly download and unpacking), then the vLLM backend's tests run at a low one, so that both hide
-# behind the main suite (logs: .venv-vllm-setup.log, .venv-vllm-tests.log; the tests' is printed at
-# the end). Exit 100 of the side job: the venv did not build.
+# The vLLM venv builds while lint and the main suite run, at the lowest CPU priority: its ~3 min are
+# mostly download and unpacking, which hide behind the tests (its log: .venv-vllm-setup.log).
 test: $(STAMP)
-	@( nice -n 19 $(MAKE) --no-print-directory setup-vllm > $(VLLM_VENV)-setup.log 2>&1 || exit 100; \
-	  nice -n 5 $(VLLM_BIN)/python -m pytest -q -m vllm $(VLLM_TESTS) > $(VLLM_VENV)-tests.log 2>&1 ) & side=$$!; \
+	@nice -n 19 $(MAKE) --no-print-directory setup-vllm > $(VLLM_VENV)-setup.log 2>&1 & setup=$$!; \
 	$(BIN)/ruff check . && $(BIN)/mypy && $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile; main=$$?; \
-	wait $$side; vllm=$$?; \
-	if [ $$vllm -eq 100 ]; then echo "building $(VLLM_VENV) failed:"; tail -40 $(VLLM_VENV)-setup.log; exit 1; fi; \
-	echo "vLLM backend tests ($(VLLM_VENV), run beside the main suite):"; cat $(VLLM_VENV)-tests.log; \
+	if ! wait $$setup; then echo "building $(VLLM_VENV) failed:"; tail -40 $(VLLM_VENV)-setup.log; exit 1; fi; \
+	$(VLLM_BIN)/python -m pytest -q -m vllm $(VLLM_TESTS); vllm=$$?; \
 	exit $$(( main || vllm ))
 
 lint: $(STAMP)
