@@ -137,18 +137,15 @@ class ReplicaQuotas:
     def cap(self, node: str, pid: int) -> None:
         if self.share <= 0:
             return
-        period = 100_000
-        quota = max(1_000, int(self.share * period))
-        if (self.V1 / "cpu.cfs_quota_us").is_file():
-            group = self.V1 / f"helix-bench-{self.tag}-{node}"
-            group.mkdir(exist_ok=True)
-            self.made.append(group)
+        period, quota = 100_000, max(1_000, int(self.share * 100_000))
+        v1 = (self.V1 / "cpu.cfs_quota_us").is_file()
+        group = (self.V1 if v1 else self.V2) / f"helix-bench-{self.tag}-{node}"
+        group.mkdir(exist_ok=True)
+        self.made.append(group)
+        if v1:
             (group / "cpu.cfs_period_us").write_text(str(period))
             (group / "cpu.cfs_quota_us").write_text(str(quota))
         else:
-            group = self.V2 / f"helix-bench-{self.tag}-{node}"
-            group.mkdir(exist_ok=True)
-            self.made.append(group)
             (group / "cpu.max").write_text(f"{quota} {period}")
         (group / "cgroup.procs").write_text(str(pid))  # the process and its threads, and what they start later
 
