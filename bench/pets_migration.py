@@ -125,9 +125,14 @@ class ReplicaQuotas:
         self.made: list[Path] = []
 
     @classmethod
+    def v1(cls) -> bool:
+        """Whether the quotas go through cgroup v1's ``cpu`` controller (else v2's ``cpu.max``)."""
+        return (cls.V1 / "cpu.cfs_quota_us").is_file()
+
+    @classmethod
     def check(cls) -> str | None:
         """Why quotas cannot be set here (None: they can)."""
-        v1 = (cls.V1 / "cpu.cfs_quota_us").is_file()
+        v1 = cls.v1()
         control = cls.V2 / "cgroup.subtree_control"
         v2 = control.is_file() and "cpu" in control.read_text().split()
         if not (v1 or v2):
@@ -138,7 +143,7 @@ class ReplicaQuotas:
         if self.share <= 0:
             return
         period, quota = 100_000, max(1_000, int(self.share * 100_000))
-        v1 = (self.V1 / "cpu.cfs_quota_us").is_file()
+        v1 = self.v1()
         group = (self.V1 if v1 else self.V2) / f"helix-bench-{self.tag}-{node}"
         group.mkdir(exist_ok=True)
         self.made.append(group)

@@ -34,8 +34,9 @@ load); the search maximises the objective (``current``'s unless told) minus that
    max flow is below ``fallback_below`` times the reachable max flow, as a share of the floor: plans
    of about the same serving estimate differ by up to 35 % in max flow, and the max flow is what a
    re-plan is judged by) and with re-planning's moves (``anchor``: back to a node's current range,
-   boundary shifts, ejection chains), from every start — the warm start, step 3's placement or step 4's best, the relabelled plan from scratch, and under ``serving`` the same search
-   run on the max flow first — best start first, then restarts from the best;
+   boundary shifts, ejection chains), from every start — the warm start, step 3's placement or
+   step 4's best, the relabelled plan from scratch, and under ``serving`` the same search run on
+   the max flow first — best start first, then restarts from the best;
 6. **fallback**: when the incremental plan's objective is below ``fallback_below`` (default
    0.95) times the from-scratch plan's, or (under ``serving``) its max flow is below that share of the
    reachable max flow and the from-scratch plan's is higher, the from-scratch plan is the answer. The
@@ -236,10 +237,8 @@ def _check_feasible(cap: CapacityModel, cluster: ClusterSpec, removed: list[str]
 
 def reachable_max_flow(scratch: Plan | None) -> float:
     """The max flow a plan from scratch reaches, which every max-flow floor here is a share of: the
-    from-scratch plan's, or, when higher, the most max flow among the placements its search scored
-    within ``planner.optimize.NEAR_BEST`` of its objective (``stats["near_best_max_flow_tok_s"]``):
-    under ``serving`` plans of about the same estimate differ by up to 35 % in max flow, and which one
-    a search in seconds returns follows the wall clock (0: no plan from scratch)."""
+    from-scratch plan's, or, when higher, its search's ``stats["near_best_max_flow_tok_s"]`` (why:
+    ``planner.optimize.near_best_max_flow``; 0: no plan from scratch)."""
     if scratch is None:
         return 0.0
     return max(scratch.max_flow_tok_s, float(scratch.stats.get("near_best_max_flow_tok_s", 0.0)))
