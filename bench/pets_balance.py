@@ -8,9 +8,10 @@ Sections (``--only``, repeatable; default: all; each is a ``Section`` in ``SECTI
   float32, one torch thread, in-process as in ``bench/pets.py``; the agent's defaults: max batch 32,
   token budget 512, prefill chunk 256) holding ``--batching-tasks`` tasks of mixed PET types (128:
   LoRA, adapter, BitFit, diff, mask in turn, ``node_agent.pet_samples``). Each round, ``--queries``
-  requests all at t = 0, each on a task drawn at random, prompts of Gaussian length (PetS's protocol:
+  requests all at t = 0 (1,024: PetS's query pool), each on a task drawn at random, prompts of Gaussian length (PetS's protocol:
   mean 32, σ from ``--sigmas`` in turn by round; random token ids), ``--gen-tokens`` greedy tokens
-  each. The four policies (``helix agent --batching``) run the same requests, interleaved (ABBA):
+  each (32: PetS's queries are one pass of an encoder; a language model's answer is decode steps, where
+  a step's PET ops are a call per task for a row each). The four policies (``helix agent --batching``) run the same requests, interleaved (ABBA):
   fcfs, alpha (α-only), beta (β-only), coordinated; priced by the α and β models of ``helix
   profile``'s measurement of this machine (the demo cluster's ``cpu``; ``--profiles`` takes a file).
   A fifth arm, the same requests on the base model (no task), shows what the tasks' ops cost at all:
@@ -193,10 +194,11 @@ def bench_batching(args: argparse.Namespace) -> None:
 
 def add_batching_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("batching")
-    g.add_argument("--queries", type=int, default=256, help="requests per round, all at t = 0 (default 256)")
+    g.add_argument("--queries", type=int, default=1024,
+                   help="requests per round, all at t = 0 (default 1024, PetS's query pool)")
     g.add_argument("--batching-tasks", type=int, default=128, help="tasks, PET types in turn (default 128)")
     g.add_argument("--sigmas", default="1,8", help="prompt length σ by round, in turn (default 1,8; mean 32)")
-    g.add_argument("--gen-tokens", type=int, default=16, help="greedy tokens per request (default 16)")
+    g.add_argument("--gen-tokens", type=int, default=32, help="greedy tokens per request (default 32)")
     g.add_argument("--max-passed-over-steps", type=int, default=16, help="the policies' starvation bound (default 16)")
     g.add_argument("--profiles", help="profiles file with the machine's curves (default: helix profile of the demo)")
     g.add_argument("--no-base-arm", action="store_true", help="skip the base-model arm")
@@ -211,7 +213,7 @@ def _migration() -> Any:
 
 SECTIONS: dict[str, Section] = {
     "batching": Section(add_batching_arguments, bench_batching, 2,
-                        "a round is five arms of the same requests, about 4-5 minutes"),
+                        "a round is five arms of the same requests, about 35-40 CPU-minutes"),
     "migration": Section(lambda p: _migration().add_migration_arguments(p.add_argument_group("migration")),
                          lambda a: _migration().bench_migration(a), 1,
                          "a round runs both arms, each on a fresh cluster (about 8 minutes)"),
