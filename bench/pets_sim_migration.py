@@ -2,7 +2,8 @@
 of ``bench/pets_balance.py``, runnable alone.
 
     python bench/pets_sim_migration.py [--sim-stages 8] [--sim-replicas 3] [--sim-tasks 64] [--sim-zipf 1.1]
-        [--sim-shift-s 60] [--sim-duration-s 600] [--sim-load 0.95] [--sim-lengths azure-conv] [--rounds 3]
+        [--sim-shift-s 60] [--sim-duration-s 600] [--sim-load 0.95] [--sim-lengths azure-conv]
+        [--sim-clients N] [--sim-max-batch 256] [--rounds 3]
 
 The cluster: LLaMA-2 70B on A100s of the Helix paper's profiles (``clusters/helix-paper-single24``), cut into
 ``--sim-stages`` layer ranges of equal size, each held by ``--sim-replicas`` nodes (a replica group: the
@@ -15,8 +16,13 @@ schedule in both arms of a round; each round its own seed).
 
 The load: online Poisson arrivals at ``--sim-load`` times the requests/s the same cluster finishes when every
 node holds every task (the simulator's offline KV feeder, measured once before the rounds): as much as the
-cluster serves, were the tasks' load spread evenly.
+cluster serves, were the tasks' load spread evenly. Or, with ``--sim-clients N``, N clients in a closed
+loop (each sends its next request when its last one ends; ``bench/pets_migration.py``'s protocol).
+``--sim-max-batch`` bounds each node's running requests (``helix agent --max-batch-size``; vLLM's
+``max_num_seqs`` is 256 by default on an A100); 0: only its KV bounds them, as the paper's simulator.
 
+* **ideal** (``--sim-ideal``): every node holds every task (``--task-placement all``): what no balancer
+  can pass, the ceiling of migration ÷ static;
 * **static**: the spread assignment stays;
 * **migration**: ``--pet-balance`` with ``helix serve``'s defaults (theta 0.9, interval 1-60 s,
   ``--sim-min-requests`` a window): the real ``router.pet_balancer.PetBalancer`` at simulated times, each
@@ -46,6 +52,7 @@ from harness import RoundLog, Target, add_rounds_option, interleaved, make_conso
 
 SINGLE24 = ROOT / "clusters" / "helix-paper-single24" / "cluster.yaml"
 ARMS = ("static", "migration", "migration, serial drains")
+IDEAL = "ideal"
 TARGET = 1.2
 out = make_console()
 
@@ -78,7 +85,7 @@ def balanced_rate(args: argparse.Namespace, cluster: Any, profiles: Any, plan: A
     from simulator.engine import SimConfig, simulate
 
     cfg = SimConfig(duration_s=args.sim_duration_s / 2, warmup_s=args.sim_warmup_s, lengths=args.sim_lengths,
-                    task_mix={"lora": args.sim_tasks})  # fmt: skip
+                    task_mix={"lora": args.sim_tasks}, max_batch_size=args.sim_max_batch or None)  # fmt: skip
     result = simulate(cluster, profiles, plan, cfg)
     return result.finished_requests / (cfg.warmup_s + cfg.duration_s)
 
@@ -89,10 +96,13 @@ def run_arm(args: argparse.Namespace, arm: str, cluster: Any, profiles: Any, pla
     from simulator.engine import SimConfig, simulate
     from simulator.tasks import Popularity
 
-    cfg = SimConfig(mode="online", rate_per_s=rate, duration_s=args.sim_duration_s, warmup_s=args.sim_warmup_s,
-                    seed=seed, lengths=args.sim_lengths, task_mix={"lora": args.sim_tasks}, task_placement="spread",
+    load: dict[str, Any] = {"mode": "offline", "max_inflight": args.sim_clients} if args.sim_clients \
+        else {"mode": "online", "rate_per_s": rate}
+    cfg = SimConfig(**load, duration_s=args.sim_duration_s, warmup_s=args.sim_warmup_s, seed=seed,
+                    lengths=args.sim_lengths, task_mix={"lora": args.sim_tasks}, max_batch_size=args.sim_max_batch or None,
+                    task_placement="all" if arm == IDEAL else "spread",
                     task_popularity=Popularity(args.sim_zipf, args.sim_shift_s),
-                    pet_balance=BalancePolicy(min_requests=args.sim_min_requests) if arm != "static" else None,
+                    pet_balance=BalancePolicy(min_requests=args.sim_min_requests) if arm.startswith("migration") else None,
                     pet_serial_drains=arm == "migration, serial drains")  # fmt: skip
     result = simulate(cluster, profiles, plan, cfg)
     tasks = result.tasks or {}
@@ -108,21 +118,31 @@ def bench_sim_migration(args: argparse.Namespace) -> None:
     cluster, profiles, plan = replicated_cluster(args.sim_stages, args.sim_replicas)
     out.print(f"[dim]sim-migration: {cluster.name} ({len(plan.placement)} A100s, plan max flow "
               f"{plan.max_flow_tok_s:.0f} tok/s); measuring what it serves with every task everywhere...[/]")
-    capacity = balanced_rate(args, cluster, profiles, plan)
-    rate = args.sim_load * capacity
-    out.print(f"  balanced: {capacity:.2f} requests/s finished; offering {rate:.2f} requests/s ({args.sim_load:.0%})")
-    for r, arm in interleaved(ARMS, args.rounds):
+    if args.sim_clients:
+        rate = 0.0
+        out.print(f"  {args.sim_clients} clients in a closed loop, at most {args.sim_max_batch or 'KV-many'} requests a node")
+    else:
+        capacity = balanced_rate(args, cluster, profiles, plan)
+        rate = args.sim_load * capacity
+        out.print(f"  balanced: {capacity:.2f} requests/s finished; offering {rate:.2f} requests/s ({args.sim_load:.0%})")
+    arms = (*ARMS, *([IDEAL] if args.sim_ideal else []))
+    for r, arm in interleaved(arms, args.rounds):
         res = run_arm(args, arm, cluster, profiles, plan, rate, seed=r + 1)
         out.print(f"  round {r + 1}, {arm}: {res['tok_s']:.1f} tok/s, phi {res['phi']:.2f}, {res['moves']} moves, "
                   f"{res['finished']} requests finished")
         log.record(r, f"{arm} decode tok/s", res["tok_s"], " tok/s")
         log.record(r, f"{arm} mean phi", res["phi"], "")
-        if arm != "static":
+        if arm.startswith("migration"):
             log.record(r, f"{arm} PET moves", res["moves"], "")
     log.ratio("migration ÷ static throughput", "migration decode tok/s", "static decode tok/s")
     log.ratio("serial drains ÷ static throughput", "migration, serial drains decode tok/s", "static decode tok/s")
+    if args.sim_ideal:
+        log.ratio("ideal ÷ static throughput (the ceiling)", "ideal decode tok/s", "static decode tok/s")
+        log.ratio("migration ÷ ideal throughput", "migration decode tok/s", "ideal decode tok/s")
+    load = f"{args.sim_clients} closed-loop clients" if args.sim_clients else f"online at {args.sim_load:.0%}"
     report(out, log, f"PET migration vs static in the simulator: {cluster.name}, {args.sim_tasks} LoRA tasks spread, "
-                     f"Zipf {args.sim_zipf} reshuffled every {args.sim_shift_s:.0f} s, {args.sim_lengths} lengths, "
+                     f"Zipf {args.sim_zipf} reshuffled every {args.sim_shift_s:.0f} s, {args.sim_lengths} lengths, {load}, "
+                     f"at most {args.sim_max_batch or 'KV-many'} requests a node, "
                      f"{args.sim_duration_s:.0f} simulated s per arm",
            {"migration ÷ static throughput": Target(">=", TARGET)})  # fmt: skip
 
@@ -140,6 +160,11 @@ def add_sim_migration_arguments(ap: Any) -> None:
     ap.add_argument("--sim-min-requests", type=int, default=32,
                     help="helix serve --pet-balance-min-requests in the migration arms (default 32, its default)")
     ap.add_argument("--sim-lengths", default="azure-conv", help="request lengths, as helix simulate --lengths (default azure-conv)")
+    ap.add_argument("--sim-clients", type=int, default=0,
+                    help="N clients in a closed loop instead of online arrivals at --sim-load (default 0: online)")
+    ap.add_argument("--sim-max-batch", type=int, default=0,
+                    help="requests a node runs at most (helix agent --max-batch-size; default 0: as many as its KV holds)")
+    ap.add_argument("--sim-ideal", action="store_true", help="add the ideal arm: every node holds every task")
 
 
 def main() -> int:
