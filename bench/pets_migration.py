@@ -18,11 +18,16 @@ send ``--prompt-tokens``-token prompts for ``--max-tokens`` tokens of a task dra
 popularity (exponent ``--zipf``) whose ranking is reshuffled every ``--shift-s`` seconds (the same
 schedule in both arms). The requests are prefill-heavy, as PetS's queries (BERT-style: one forward
 pass each): a node's work grows with the requests it takes, while on this CPU a decode step of a
-larger batch costs hardly more, which would hide an imbalance.
+larger batch costs hardly more, which would hide an imbalance. Their prompts are 32 tokens (PetS's
+mean): with 128-token prompts the capped replicas answered 1.2 requests/s, so a 60 s popularity
+held about 70 requests, and a balancer counting requests cannot tell a 64/36 split of 24 requests
+(2 x sqrt(24) = 9.8 > 15 - 9) from chance before the popularity moves on.
 
 * **static**: the spread assignment stays as loaded;
 * **migration**: ``--pet-balance`` (PetS Algorithm 3; the interval adapts between 2 s and 20 s):
-  the coordinator moves tasks between cpu-1 and cpu-2 as their load drifts.
+  the coordinator moves tasks between cpu-1 and cpu-2 as their load drifts;
+* **ideal** (``--ideal``): ``--task-placement all``, every task on both replicas: what no balancer can
+  pass, the ceiling of migration ÷ static.
 
 Each arm starts a fresh cluster, loads the tasks, warms up for ``--warmup-s``, then counts the
 requests answered over ``--duration-s`` (and the coordinator's generated tokens). Target (the
@@ -56,6 +61,7 @@ LAYOUT = {"cpu-0": (28, 30), "cpu-1": (0, 28), "cpu-2": (0, 28)}
 PINNED = {"cpu-1": [0], "cpu-2": [1], "cpu-0": [2]}  # a core per agent (cpu-0's only on a machine of 4 cores or more)
 TARGET = 1.2
 ARMS = ("static", "migration")
+IDEAL = "ideal"  # every task on every node (--task-placement all)
 if TYPE_CHECKING:
     from router.launch import AgentProcesses
 
@@ -187,7 +193,7 @@ def popularity(names: list[str], zipf: float, shift_s: float, seed: int, t: floa
 def run_arm(args: argparse.Namespace, arm: str, workdir: Path, tasks: list[tuple[str, Path]], seed: int) -> dict[str, Any]:
     cluster_path, plan_path = write_cluster(workdir)
     flags = ["--pet-balance", "--pet-balance-interval-s", "2", "20", "--pet-balance-min-requests",
-             str(args.min_requests)] if arm == "migration" else []  # fmt: skip
+             str(args.min_requests)] if arm == "migration" else ["--task-placement", "all"] if arm == IDEAL else []  # fmt: skip
     serving = Serving(cluster_path, plan_path, workdir, flags, args.replica_cpu_share)
     errors: list[str] = []
     answered: list[float] = []  # when each request was answered
@@ -241,7 +247,7 @@ def bench_migration(args: argparse.Namespace) -> None:
     workdir = Path(tempfile.mkdtemp(prefix="helix-pets-migration-"))
     try:
         tasks = write_tasks(workdir / "tasks", args.tasks)
-        for r, arm in interleaved(ARMS, args.rounds):
+        for r, arm in interleaved((*ARMS, *([IDEAL] if args.ideal else [])), args.rounds):
             out.print(f"[dim]migration: round {r + 1}, {arm} ({args.warmup_s + args.duration_s:.0f} s)...[/]")
             result = run_arm(args, arm, workdir / f"{arm}-{r}", tasks, seed=r + 1)
             out.print(f"  {arm}: {result['req_s']:.2f} requests/s, {result['tok_s']:.1f} tok/s, {result['answered']} answered, "
@@ -251,6 +257,8 @@ def bench_migration(args: argparse.Namespace) -> None:
             log.record(r, f"{arm} requests/s", result["req_s"], "/s")
             log.record(r, f"{arm} failed requests", len(result["errors"]), "")
         log.ratio("migration ÷ static throughput", "migration requests/s", "static requests/s")
+        if args.ideal:
+            log.ratio("ideal ÷ static throughput (the ceiling)", "ideal requests/s", "static requests/s")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     cap = f", replicas capped at {args.replica_cpu_share:g} core each" if args.replica_cpu_share > 0 else ""
@@ -269,10 +277,11 @@ def add_migration_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of the tasks' popularity (default 1.1)")
     ap.add_argument("--clients", type=int, default=12, help="closed-loop clients (default 12)")
     ap.add_argument("--tasks", type=int, default=16, help="LoRA tasks (default 16)")
-    ap.add_argument("--prompt-tokens", type=int, default=128, help="tokens per prompt, random ids (default 128)")
+    ap.add_argument("--prompt-tokens", type=int, default=32, help="tokens per prompt, random ids (default 32)")
     ap.add_argument("--min-requests", type=int, default=24,
                     help="helix serve --pet-balance-min-requests in the migration arm (default 24)")
     ap.add_argument("--max-tokens", type=int, default=4, help="tokens per answer (default 4)")
+    ap.add_argument("--ideal", action="store_true", help="add the ideal arm: every task on both replicas")
     ap.add_argument("--replica-cpu-share", type=float, default=0.5,
                     help="cap cpu-1's and cpu-2's agents at this share of their core (a cgroup CPU quota; root; "
                          "0: no cap; default 0.5)")
