@@ -101,7 +101,6 @@ class CoordinatorCore:
 
     def add_request(self, request: Request, now: float) -> None:
         """Admit ``request``: start it now, or queue it. Raises (and keeps nothing) when it cannot be served."""
-        self.now = now
         params = request.params
         pinned = request.pinned is not None
         if not params.prompt_ids:
@@ -254,7 +253,6 @@ class CoordinatorCore:
         request.pipeline, request.attempt_tokens, request.status = pipeline, 0, RequestStatus.RUNNING
         request.pipelines.append(pipeline)
         self._by_wire[request.wire_id] = request
-        self.observer.routed(request, self.now)
         if request.attempt == 1:
             self._out.outputs.append(RequestOutput(request.request_id, started=True))
         return True

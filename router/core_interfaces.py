@@ -27,8 +27,6 @@ class CoreObserver(Protocol):
 
     def rejected(self, reason: str) -> None: ...
 
-    def routed(self, request: Request, now: float) -> None: ...  # an attempt got its pipeline (request.pipeline)
-
     def token(self, request: Request, edges: tuple[tuple[str, str], ...], moved: int, now: float) -> None: ...
 
     def rerouted(self) -> None: ...
@@ -43,9 +41,6 @@ class QuietObserver:
         pass
 
     def rejected(self, reason: str) -> None:
-        pass
-
-    def routed(self, request: Request, now: float) -> None:
         pass
 
     def token(self, request: Request, edges: tuple[tuple[str, str], ...], moved: int, now: float) -> None:

@@ -240,9 +240,6 @@ class MetricsObserver:
     def rejected(self, reason: str) -> None:
         self.metrics.rejected.labels(reason).inc()
 
-    def routed(self, request: Request, now: float) -> None:
-        pass
-
     def token(self, request: Request, edges: tuple[tuple[str, str], ...], moved: int, now: float) -> None:
         m = self.metrics
         m.tokens_moved(edges, moved)

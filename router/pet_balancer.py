@@ -4,10 +4,9 @@ Nodes holding the same layers (a *replica group*, :func:`router.task_placement.r
 are interchangeable for a request, except that a request for a task runs only on the nodes
 holding its PET (:class:`router.task_placement.TaskPlacement`). When tasks' popularity is skewed,
 a node holding the popular ones is overloaded while its replica idles. The coordinator counts each
-task's requests per node over a window (:class:`LoadView`; counted when each attempt is routed, by
-:class:`TaskLoadObserver`, in ``helix serve`` and in the simulator alike: what is sent to a node, its
-demand, not what it has served, which a saturated node's queue holds back, so that the counts after a
-move show the move at once); :class:`PetBalancer` then, per replica group:
+task's requests per node over a window (:class:`LoadView`; counted at each attempt's first token by
+:class:`TaskLoadObserver`, in ``helix serve`` and in the simulator alike); :class:`PetBalancer` then, per replica
+group:
 
 * computes each node's load ``L`` (requests counted on it over the window, divided by its relative
   capacity: the plan's flow into it) and the group's balance ``phi = L_min / L_max``;
@@ -231,7 +230,7 @@ class PetBalancer:
 
 
 class TaskLoadObserver:
-    """The core's observer, plus a count of each attempt per (task, node) when it is routed."""
+    """The core's observer, plus a count of each attempt per (task, node) at its first token."""
 
     def __init__(self, inner: CoreObserver, count: Callable[[str, Sequence[str], float], None]) -> None:
         self.inner, self.count = inner, count
@@ -242,12 +241,9 @@ class TaskLoadObserver:
     def rejected(self, reason: str) -> None:
         self.inner.rejected(reason)
 
-    def routed(self, request: Request, now: float) -> None:
-        if request.pipeline is not None:
-            self.count(request.params.task, request.pipeline.nodes, now)
-        self.inner.routed(request, now)
-
     def token(self, request: Request, edges: tuple[tuple[str, str], ...], moved: int, now: float) -> None:
+        if request.attempt_tokens == 0 and request.pipeline is not None:
+            self.count(request.params.task, request.pipeline.nodes, now)
         self.inner.token(request, edges, moved, now)
 
     def rerouted(self) -> None:

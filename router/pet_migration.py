@@ -3,8 +3,8 @@
 :class:`PetMigrator` runs on the coordinator's asyncio loop (ticked by
 :meth:`router.coordinator.Coordinator.watch_kv`):
 
-* **counting**: :class:`TaskLoadObserver` wraps the core's observer and counts every attempt, when
-  it is routed, once for each node of its pipeline under its task (the base model's as "");
+* **counting**: :class:`TaskLoadObserver` wraps the core's observer and counts every attempt, at
+  its first token, once for each node of its pipeline under its task (the base model's as "");
 * **deciding**: when :class:`router.pet_balancer.PetBalancer` is due, the window's counts, the
   routable nodes' layers, the tasks' holders and their bytes per node make a
   :class:`~router.pet_balancer.LoadView`; the balancer says which PETs move. Nodes holding the same

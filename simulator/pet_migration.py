@@ -10,7 +10,7 @@ others), :meth:`~router.task_placement.TaskPlacement.initial` under the run's
 What :class:`TaskBalance` plays, for the live migrator (:mod:`router.pet_migration`, whose shell is bound to
 asyncio and the task registry):
 
-* **counting** (:class:`TaskCounter`): every attempt, when it is routed, once for each node of its
+* **counting** (:class:`TaskCounter`): every attempt, at its first token, once for each node of its
   pipeline under its task, as the live ``TaskLoadObserver`` counts it;
 * **a round**, when the balancer is due (looked at every :data:`TICK_S`) and no move is under way: a
   :class:`~router.pet_balancer.LoadView` of the window's counts, the routable nodes' layers, the tasks'
@@ -73,7 +73,7 @@ def pet_layer_bytes(pet: str, model: ModelProfile) -> float:
 
 
 class TaskCounter:
-    """Each attempt counted per (task, node) when it is routed, as ``helix serve`` counts them
+    """Each attempt counted per (task, node) at its first token, as ``helix serve`` counts them
     (:class:`router.pet_migration.TaskLoadObserver`): for the balancer's window and per ``bucket_s``
     (the balance over time)."""
 

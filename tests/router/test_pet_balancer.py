@@ -13,7 +13,6 @@ from router.pet_balancer import (
     LoadView,
     Move,
     PetBalancer,
-    TaskLoadObserver,
     imbalance,
     next_interval,
     plan_moves,
@@ -121,19 +120,3 @@ def test_helix_serve_flags_make_the_placement_and_balance_policies() -> None:
     assert (policy.min_interval_s, policy.interval_s, policy.max_interval_s, policy.theta) == (2.0, 10.0, 30.0, 0.9)
     with pytest.raises(ConfigError, match="NODE=BYTES"):
         _options(parser.parse_args(["--cluster", "c", "--plan", "p", "--pet-balance", "--pet-node-bytes", "cpu-1"]))
-
-
-def test_requests_are_counted_on_their_pipelines_nodes_when_routed_not_when_served() -> None:
-    """A busy node's queue holds its requests back from their first token: counted when routed, a move
-    away shows in the next counts at once, and a request that never got a token still counted."""
-    from router.core_interfaces import QuietObserver
-    from tests.factories import demo_router, joined_core, request
-
-    core = joined_core(demo_router(1e9))
-    counted: list[tuple[str, tuple[str, ...], float]] = []
-    core.observer = TaskLoadObserver(QuietObserver(), lambda task, nodes, now: counted.append((task, tuple(nodes), now)))
-    core.add_request(request("r1"), now=5.0)
-    (task, nodes, now), = counted
-    assert task == "" and now == 5.0 and nodes in {("cpu-0",), ("cpu-1", "cpu-2")}  # no token has come back
-    routed = core._by_wire[next(iter(core._by_wire))].pipeline
-    assert routed is not None and tuple(routed.nodes) == nodes
