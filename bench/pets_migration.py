@@ -103,12 +103,14 @@ def write_tasks(root: Path, count: int) -> list[tuple[str, Path]]:
 
 
 class Serving(Cluster):
-    """The agents of :data:`LAYOUT` (cpu-1, cpu-2 pinned) and ``helix serve`` with ``flags`` over them."""
+    """The agents of :data:`LAYOUT` (cpu-1, cpu-2 pinned) and ``helix serve --task-placement placement`` with
+    ``flags`` over them."""
 
-    def __init__(self, cluster_path: Path, plan_path: Path, workdir: Path, flags: list[str], share: float) -> None:
+    def __init__(self, cluster_path: Path, plan_path: Path, workdir: Path, flags: list[str], share: float,
+                 placement: str = "spread") -> None:  # fmt: skip
         self.quotas = ReplicaQuotas(share, workdir.name)
         super().__init__(cluster_path, plan_path, workdir, on_agents=lambda agents: _pin(agents, self.quotas),
-                         flags=["--no-replan", "--task-placement", "spread", *flags])  # fmt: skip
+                         flags=["--no-replan", "--task-placement", placement, *flags])  # fmt: skip
 
     def close(self) -> None:
         try:
@@ -193,8 +195,9 @@ def popularity(names: list[str], zipf: float, shift_s: float, seed: int, t: floa
 def run_arm(args: argparse.Namespace, arm: str, workdir: Path, tasks: list[tuple[str, Path]], seed: int) -> dict[str, Any]:
     cluster_path, plan_path = write_cluster(workdir)
     flags = ["--pet-balance", "--pet-balance-interval-s", "2", "20", "--pet-balance-min-requests",
-             str(args.min_requests)] if arm == "migration" else ["--task-placement", "all"] if arm == IDEAL else []  # fmt: skip
-    serving = Serving(cluster_path, plan_path, workdir, flags, args.replica_cpu_share)
+             str(args.min_requests)] if arm == "migration" else []  # fmt: skip
+    serving = Serving(cluster_path, plan_path, workdir, flags, args.replica_cpu_share,
+                      placement="all" if arm == IDEAL else "spread")  # fmt: skip
     errors: list[str] = []
     answered: list[float] = []  # when each request was answered
     try:
