@@ -148,13 +148,17 @@ def test_staggered_rails_hold_more_layers_than_groups() -> None:
 
 def test_a_stalled_max_flow_search_on_a_geo_cluster_re_proves_its_bound(tmp_path: Path) -> None:
     """geo-s6-n48's link-aware bound tightens with time (its first proof gets a tenth of the limit):
-    when the search stalls, the time it leaves proves the bound again from the final flow."""
+    when the search stalls, the time it leaves proves the bound again from the final flow, and the
+    plan keeps the tighter of the two proofs. (How much tighter depends on the machine's speed, so
+    the test asserts which proof is kept, not that the second one gained.)"""
     cluster = load_cluster(geo.write_geo_cluster(tmp_path, 6, 48))
     seen: list[tuple[str, float | None]] = []
     res = optimize(cluster, load_profiles_for(cluster),
                    PlannerOptions(objective="max-flow", time_limit_s=20, threads=1, stall_s=2.0),
                    on_progress=lambda p: seen.append((p.message, p.bound_tok_s)))  # fmt: skip
-    first = next(b for msg, b in seen if msg == "bound" and b is not None)
+    proofs = [b for msg, b in seen if msg == "bound"]
     assert res.stop_reason == "stalled"
-    assert res.max_flow_tok_s <= res.upper_bound_tok_s < first  # proven again, tighter
-    assert [msg for msg, _ in seen].count("bound") == 2
+    assert len(proofs) == 2 and all(b is not None for b in proofs)  # proven again
+    first, again = proofs[0], proofs[1]
+    assert first is not None and again is not None
+    assert res.max_flow_tok_s <= res.upper_bound_tok_s == min(first, again)
