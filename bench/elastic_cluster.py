@@ -91,14 +91,16 @@ def plan_for(cluster_path: Path, without: str | None, path: Path) -> dict[str, t
 
 class Cluster:
     """Agents of a plan and ``helix serve`` over them (default re-planning policy; ``flags`` add to
-    helix serve's; ``on_agents`` sees the agents once they are ready, before the coordinator starts)."""
+    helix serve's; ``agent_args`` to every ``helix agent``; ``on_agents`` sees the agents once they are ready, before
+    the coordinator starts)."""
 
     def __init__(self, cluster_path: Path, plan_path: Path, workdir: Path, *, flags: Sequence[str] = (),
-                 on_agents: Callable[[AgentProcesses], None] | None = None) -> None:  # fmt: skip
+                 on_agents: Callable[[AgentProcesses], None] | None = None,
+                 agent_args: Sequence[str] = ()) -> None:  # fmt: skip
         from router.launch import AgentProcesses
 
         self.secret = secrets.token_hex(8)
-        self.agents = AgentProcesses(cluster_path, plan_path, workdir, secret=self.secret)
+        self.agents = AgentProcesses(cluster_path, plan_path, workdir, secret=self.secret, extra_args=tuple(agent_args))
         self.agents.start(json.loads(plan_path.read_text())["placement"])  # each on a free loopback port
         addresses = self.agents.wait_ready(timeout_s=240)
         if on_agents is not None:

@@ -57,8 +57,11 @@ from elastic_cluster import Cluster  # noqa: E402
 from harness import RoundLog, Target, add_rounds_option, interleaved, make_console, report  # noqa: E402
 
 DEMO = ROOT / "clusters" / "demo" / "cluster.yaml"
-LAYOUT = {"cpu-0": (28, 30), "cpu-1": (0, 28), "cpu-2": (0, 28)}
-PINNED = {"cpu-1": [0], "cpu-2": [1], "cpu-0": [2]}  # a core per agent (cpu-0's only on a machine of 4 cores or more)
+LAYOUTS = {  # --layout: node -> the layers it holds
+    "replicas": {"cpu-0": (0, 30), "cpu-1": (0, 30), "cpu-2": (0, 30)},  # three instances of the whole model
+    "pipeline": {"cpu-0": (28, 30), "cpu-1": (0, 28), "cpu-2": (0, 28)},  # two replicas before a shared last stage
+}
+PINNED = {"cpu-1": [0], "cpu-2": [1], "cpu-0": [2]}  # "pipeline": a core per agent (cpu-0's only with 4 cores or more)
 TARGET = 1.2
 ARMS = ("static", "migration")
 IDEAL = "ideal"  # every task on every node (--task-placement all)
@@ -68,8 +71,8 @@ if TYPE_CHECKING:
 out = make_console()
 
 
-def write_cluster(workdir: Path) -> tuple[Path, Path]:
-    """The demo cluster without its layer caps (cpu-1 and cpu-2 hold 28 layers) and the plan of :data:`LAYOUT`."""
+def write_cluster(workdir: Path, layout: str) -> tuple[Path, Path]:
+    """The demo cluster without its layer caps and the plan of ``LAYOUTS[layout]``."""
     from helix.profile import load_profiles_for
     from helix.spec import load_cluster
     from planner.api import finish_plan
@@ -82,7 +85,7 @@ def write_cluster(workdir: Path) -> tuple[Path, Path]:
     (root / "cluster.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     cluster = load_cluster(root / "cluster.yaml")
     plan_path = workdir / "plan.json"
-    finish_plan(cluster, load_profiles_for(cluster), LAYOUT, method="manual").save(plan_path)
+    finish_plan(cluster, load_profiles_for(cluster), LAYOUTS[layout], method="manual").save(plan_path)
     return root / "cluster.yaml", plan_path
 
 
@@ -103,13 +106,14 @@ def write_tasks(root: Path, count: int) -> list[tuple[str, Path]]:
 
 
 class Serving(Cluster):
-    """The agents of :data:`LAYOUT` (cpu-1, cpu-2 pinned) and ``helix serve --task-placement placement`` with
-    ``flags`` over them."""
+    """The agents of ``LAYOUTS[layout]`` (the replicas capped, and pinned in ``pipeline``) and ``helix serve
+    --task-placement placement`` with ``flags`` over them."""
 
     def __init__(self, cluster_path: Path, plan_path: Path, workdir: Path, flags: list[str], share: float,
-                 placement: str = "spread") -> None:  # fmt: skip
+                 placement: str = "spread", layout: str = "replicas", max_batch: int = 0) -> None:  # fmt: skip
         self.quotas = ReplicaQuotas(share, workdir.name)
-        super().__init__(cluster_path, plan_path, workdir, on_agents=lambda agents: _pin(agents, self.quotas),
+        super().__init__(cluster_path, plan_path, workdir, on_agents=lambda agents: _pin(agents, self.quotas, layout),
+                         agent_args=["--max-batch-size", str(max_batch)] if max_batch else [],
                          flags=["--no-replan", "--task-placement", placement, *flags])  # fmt: skip
 
     def close(self) -> None:
@@ -171,11 +175,15 @@ class ReplicaQuotas:
         self.made.clear()
 
 
-def _pin(agents: AgentProcesses, quotas: ReplicaQuotas) -> None:
-    """cpu-1 and cpu-2 on a core each, each capped at its quota (cpu-0 on a third core where there are 4
-    cores or more)."""
+def _pin(agents: AgentProcesses, quotas: ReplicaQuotas, layout: str) -> None:
+    """``replicas``: every agent capped at its quota, where the OS puts it. ``pipeline``: cpu-1 and cpu-2 on
+    a core each, each capped at its quota (cpu-0 on a third core where there are 4 cores or more)."""
     import psutil
 
+    if layout == "replicas":
+        for node in LAYOUTS[layout]:
+            quotas.cap(node, agents.agents[node].pid)
+        return
     cores = os.cpu_count() or 1
     for node, pinned in PINNED.items():
         if max(pinned) < cores and (cores >= 4 or node != "cpu-0"):
@@ -193,11 +201,12 @@ def popularity(names: list[str], zipf: float, shift_s: float, seed: int, t: floa
 
 
 def run_arm(args: argparse.Namespace, arm: str, workdir: Path, tasks: list[tuple[str, Path]], seed: int) -> dict[str, Any]:
-    cluster_path, plan_path = write_cluster(workdir)
+    cluster_path, plan_path = write_cluster(workdir, args.layout)
     flags = ["--pet-balance", "--pet-balance-interval-s", "2", "20", "--pet-balance-min-requests",
              str(args.min_requests)] if arm == "migration" else []  # fmt: skip
     serving = Serving(cluster_path, plan_path, workdir, flags, args.replica_cpu_share,
-                      placement="all" if arm == IDEAL else "spread")  # fmt: skip
+                      placement="all" if arm == IDEAL else "spread", layout=args.layout,
+                      max_batch=args.replica_max_batch)  # fmt: skip
     errors: list[str] = []
     answered: list[float] = []  # when each request was answered
     try:
@@ -265,7 +274,7 @@ def bench_migration(args: argparse.Namespace) -> None:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     cap = f", replicas capped at {args.replica_cpu_share:g} core each" if args.replica_cpu_share > 0 else ""
-    report(out, log, f"PET migration vs static, {args.tasks} tasks, Zipf {args.zipf} reshuffled every "
+    report(out, log, f"PET migration vs static, {args.layout} layout, {args.tasks} tasks, Zipf {args.zipf} reshuffled every "
                      f"{args.shift_s:.0f} s, {args.clients} clients, {args.duration_s:.0f} s per arm{cap}", {
         "migration ÷ static throughput": Target(">=", TARGET),
         "static failed requests": Target("<=", 0),
@@ -284,6 +293,11 @@ def add_migration_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--min-requests", type=int, default=24,
                     help="helix serve --pet-balance-min-requests in the migration arm (default 24)")
     ap.add_argument("--max-tokens", type=int, default=4, help="tokens per answer (default 4)")
+    ap.add_argument("--layout", choices=sorted(LAYOUTS), default="replicas",
+                    help="replicas (default): cpu-0, cpu-1 and cpu-2 each hold the whole model, PetS's instances; "
+                         "pipeline: cpu-1 and cpu-2 hold layers [0, 28) before cpu-0's last two")
+    ap.add_argument("--replica-max-batch", type=int, default=0,
+                    help="helix agent --max-batch-size of every agent (default 0: the agent's own, 32)")
     ap.add_argument("--ideal", action="store_true", help="add the ideal arm: every task on both replicas")
     ap.add_argument("--replica-cpu-share", type=float, default=0.5,
                     help="cap cpu-1's and cpu-2's agents at this share of their core (a cgroup CPU quota; root; "

@@ -113,6 +113,14 @@ class KVEstimator:
     def holds(self, request_id: object) -> bool:
         return request_id in self._held
 
+    def requests_by_node(self) -> dict[str, int]:
+        """How many requests hold a reservation on each node now: its requests in flight, queued or running."""
+        out: dict[str, int] = {}
+        for held in self._held.values():
+            for node in {node for node, _ in held}:
+                out[node] = out.get(node, 0) + 1
+        return out
+
     def report(self, node: str, *, used: float, reserved: float | None = None, capacity: float | None = None) -> None:
         """An agent's report of its real KV use (entries); corrects the estimate upward."""
         kv = self.nodes.get(node)

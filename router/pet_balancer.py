@@ -8,16 +8,22 @@ task's requests per node over a window (:class:`LoadView`; counted at each attem
 :class:`TaskLoadObserver`, in ``helix serve`` and in the simulator alike); :class:`PetBalancer` then, per replica
 group:
 
-* computes each node's load ``L`` (requests counted on it over the window, divided by its relative
-  capacity: the plan's flow into it) and the group's balance ``phi = L_min / L_max``;
-* if ``phi < theta``, moves tasks greedily from the most to the least loaded node (Algorithm 3):
-  of the tasks on the most loaded node, the one whose move shrinks the spread ``L_max - L_min``
-  the most (its requests counted as the target's from now on), repeating while the spread shrinks
-  and is more than chance (``noise_z`` standard deviations of the difference of two Poisson
-  counts), at most ``max_moves`` moves a round, each task once, never past a node's memory limit
-  for PETs (``node_task_bytes``; a PET moved away whose source has not drained yet still counts
-  there). Every request counted on a node is its load (the base model's,
-  and those of tasks moved away since: they ran there); only the tasks it holds move;
+* computes the group's balance ``phi = L_min / L_max`` from PetS's ``L``, each node's mean queue:
+  the requests in flight on it (queued or running), averaged over the window (:class:`QueueMeter`,
+  sampled by the caller). Without queue samples ``L`` is the requests counted on the node over the
+  window, divided by its relative capacity;
+* if ``phi < theta``, moves tasks greedily from the most to the least loaded node by the counts
+  (Algorithm 3): of the tasks on the node with the most requests, the one whose move shrinks the
+  spread of the counts ``max - min`` the most (its requests counted as the target's from now on),
+  repeating while the spread shrinks and is more than chance (``noise_z`` standard deviations of
+  the difference of two Poisson counts) or the queues say the same (the busier node's mean queue a
+  whole request longer and ``theta`` times longer than the idler's: a node saturated by a popular
+  task holds a queue long before a few requests a second add up to a spread beyond chance), at
+  most ``max_moves`` moves a round, each task once and not again within ``settle_s``, never past a
+  node's memory limit for PETs
+  (``node_task_bytes``; a PET moved away whose source has not drained yet still counts there).
+  Every request counted on a node is its load (the base model's, and those of tasks moved away
+  since: they ran there); only the tasks it holds move;
 * adapts the interval to the next round (PetS): ``phi < theta`` halves it (not below
   ``min_interval_s``), otherwise it grows by ``step_s`` (not above ``max_interval_s``).
 
@@ -57,6 +63,7 @@ class BalancePolicy:
     max_moves: int = 8  # PET moves per round at most
     min_requests: int = 32  # a window in which a replica group counted fewer requests is not judged (phi = 1; the caller keeps counting)
     noise_z: float = 2.0  # a spread within this many standard deviations of chance (Poisson counts) is no imbalance
+    settle_s: float = 10.0  # a task moved less than this ago stays (its queues have not settled; PetS moved every 10 s)
     node_task_bytes: Mapping[str, int] = field(default_factory=dict)  # node -> most PET bytes it holds; absent: no limit
 
     def __post_init__(self) -> None:
@@ -64,8 +71,8 @@ class BalancePolicy:
             raise ValueError(f"theta must be in (0, 1], got {self.theta}")
         if not 0 < self.min_interval_s <= self.interval_s <= self.max_interval_s:
             raise ValueError("the intervals must satisfy 0 < min_interval_s <= interval_s <= max_interval_s")
-        if self.step_s < 0 or self.max_moves < 0 or self.min_requests < 0 or self.noise_z < 0:
-            raise ValueError("step_s, max_moves, min_requests and noise_z must be >= 0")
+        if self.step_s < 0 or self.max_moves < 0 or self.min_requests < 0 or self.noise_z < 0 or self.settle_s < 0:
+            raise ValueError("step_s, max_moves, min_requests, noise_z and settle_s must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +97,7 @@ class LoadView:
     task_bytes: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (task, node) -> bytes held there
     capacity: Mapping[str, float] = field(default_factory=dict)  # node -> relative capacity (absent: 1)
     draining_bytes: Mapping[str, int] = field(default_factory=dict)  # node -> PET bytes switched away, not yet freed
+    queue: Mapping[str, float] = field(default_factory=dict)  # node -> mean requests in flight over the window (PetS's L)
 
 
 @dataclass(slots=True)
@@ -114,6 +122,36 @@ def next_interval(interval_s: float, phi: float, policy: BalancePolicy) -> float
     if phi < policy.theta:
         return max(policy.min_interval_s, interval_s / 2)
     return min(policy.max_interval_s, interval_s + policy.step_s)
+
+
+class QueueMeter:
+    """Each node's mean requests in flight over a window (PetS's ``L``), from samples the caller takes as
+    time goes (every sample holds until the next: a time average)."""
+
+    def __init__(self) -> None:
+        self._area: dict[str, float] = {}  # node -> requests x seconds since the window began
+        self._span_s = 0.0
+        self._last: tuple[float, Mapping[str, float]] | None = None
+
+    def sample(self, now: float, in_flight: Mapping[str, float]) -> None:
+        if self._last is not None:
+            then, before = self._last
+            dt = max(0.0, now - then)
+            for node, n in before.items():
+                self._area[node] = self._area.get(node, 0.0) + n * dt
+            self._span_s += dt
+        self._last = (now, dict(in_flight))
+
+    def mean(self) -> dict[str, float]:
+        """node -> mean requests in flight since the window began ({} before two samples)."""
+        if self._span_s <= 0:
+            return {}
+        nodes = set(self._area) | set(self._last[1] if self._last else ())
+        return {n: self._area.get(n, 0.0) / self._span_s for n in nodes}
+
+    def restart(self) -> None:
+        """A new window from the last sample on."""
+        self._area, self._span_s = {}, 0.0
 
 
 class _Group:
@@ -146,6 +184,22 @@ class _Group:
         """``z`` standard deviations of the two nodes' load difference, requests counted as Poisson."""
         return z * math.sqrt(self.counted[hi] / self.cap[hi] ** 2 + self.counted[lo] / self.cap[lo] ** 2)
 
+    def queues_agree(self, hi: str, lo: str, theta: float) -> bool:
+        """Whether the mean queues say ``hi`` is busier than ``lo``: a whole request longer, and ``lo``'s below
+        ``theta`` times ``hi``'s (per unit of capacity)."""
+        queue = self.view.queue
+        if hi not in queue or lo not in queue:
+            return False
+        q_hi, q_lo = queue[hi] / self.cap[hi], queue[lo] / self.cap[lo]
+        return q_hi - q_lo >= 1.0 and q_lo < theta * q_hi
+
+    def balance(self) -> float:
+        """The group's phi: by the mean queues when every node has one, else by the counts."""
+        queue = self.view.queue
+        if queue and all(n in queue for n in self.nodes):
+            return imbalance(queue[n] / self.cap[n] for n in self.nodes)
+        return imbalance(self.loads.values())
+
     def spread_after(self, hi: str, lo: str, count: float) -> float:
         after = dict(self.loads)
         after[hi] -= count / self.cap[hi]
@@ -166,16 +220,17 @@ class _Group:
         self.held[move.task] = (frozenset(self.view.layers) if held is None else held) - {move.src} | {move.dst}
 
 
-def plan_moves(nodes: list[str], view: LoadView, policy: BalancePolicy) -> list[Move]:
-    """Algorithm 3 on one replica group ``nodes``: the moves, in order (see the module doc)."""
+def plan_moves(nodes: list[str], view: LoadView, policy: BalancePolicy, settling: Collection[str] = ()) -> list[Move]:
+    """Algorithm 3 on one replica group ``nodes``: the moves, in order (see the module doc); the tasks in
+    ``settling`` (moved less than ``settle_s`` ago) stay."""
     group = _Group(nodes, view)
-    moved: set[str] = set()
+    moved: set[str] = set(settling)
     moves: list[Move] = []
     while len(moves) < policy.max_moves:
         hi = max(nodes, key=lambda n: (group.loads[n], n))
         lo = min(nodes, key=lambda n: (group.loads[n], n))
         spread = group.loads[hi] - group.loads[lo]
-        if spread <= group.noise(hi, lo, policy.noise_z):
+        if spread <= group.noise(hi, lo, policy.noise_z) and not group.queues_agree(hi, lo, policy.theta):
             break
         best: tuple[float, float, str] | None = None
         for task, count in group.on[hi].items():
@@ -206,6 +261,7 @@ class PetBalancer:
         self.policy = policy
         self.interval_s = policy.interval_s
         self.next_s = now + self.interval_s
+        self.moved_at: dict[str, float] = {}  # task -> when a round last moved it
 
     def due(self, now: float) -> bool:
         return now >= self.next_s
@@ -220,8 +276,11 @@ class PetBalancer:
         # crosses, so a sum over the groups (8 on a cluster of 8 layer ranges) judged windows of 4 requests,
         # whose chance spreads moved tasks back and forth every second
         judged = bool(groups) and min(counted.values()) >= max(policy.min_requests, 1)
-        phis = {tuple(g): imbalance(_Group(g, view).loads.values()) if judged else 1.0 for g in groups}
-        moves = [m for g, phi in phis.items() if phi < policy.theta for m in plan_moves(list(g), view, policy)]
+        phis = {tuple(g): _Group(g, view).balance() if judged else 1.0 for g in groups}
+        settling = {t for t, at in self.moved_at.items() if now - at < policy.settle_s}
+        moves = [m for g, phi in phis.items() if phi < policy.theta
+                 for m in plan_moves(list(g), view, policy, settling)]  # fmt: skip
+        self.moved_at = {t: at for t, at in self.moved_at.items() if t in settling} | {m.task: now for m in moves}
         phi = min(phis.values(), default=1.0)
         if judged:  # a window too small to judge says nothing about the balance: the interval stays
             self.interval_s = next_interval(self.interval_s, phi, policy)

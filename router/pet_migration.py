@@ -4,7 +4,9 @@
 :meth:`router.coordinator.Coordinator.watch_kv`):
 
 * **counting**: :class:`TaskLoadObserver` wraps the core's observer and counts every attempt, at
-  its first token, once for each node of its pipeline under its task (the base model's as "");
+  its first token, once for each node of its pipeline under its task (the base model's as ""); every
+  tick samples each node's requests in flight (the KV reservations the core holds for them) into a
+  :class:`~router.pet_balancer.QueueMeter`: PetS's mean queue ``L``;
 * **deciding**: when :class:`router.pet_balancer.PetBalancer` is due, the window's counts, the
   routable nodes' layers, the tasks' holders and their bytes per node make a
   :class:`~router.pet_balancer.LoadView`; the balancer says which PETs move. Nodes holding the same
@@ -40,7 +42,15 @@ from typing import Protocol
 
 from router.core import CoordinatorCore
 from router.driver import CoreDriver
-from router.pet_balancer import BalancePolicy, LoadView, Move, PetBalancer, Round, TaskLoadObserver
+from router.pet_balancer import (
+    BalancePolicy,
+    LoadView,
+    Move,
+    PetBalancer,
+    QueueMeter,
+    Round,
+    TaskLoadObserver,
+)
 from router.tasks import TaskRegistry, TaskState
 
 log = logging.getLogger(__name__)
@@ -66,6 +76,7 @@ class PetMigrator:
         self.switches = 0  # moves whose routing switched to the target (their drains may go on)
         self.last: Round | None = None
         self._counts: dict[tuple[str, str], float] = {}
+        self.queues = QueueMeter()
         self._lock = threading.Lock()  # counts come from the transport's I/O thread
         self._moving: asyncio.Future[None] | None = None  # the round's copies and switches
         self._drains: dict[asyncio.Task[None], Move] = {}  # switched moves whose sources are still draining
@@ -83,12 +94,14 @@ class PetMigrator:
         """On the loop, a few times a second: start a round when one is due and no copy or switch is under way
         (drains go on meanwhile)."""
         now = time.monotonic()
+        self.queues.sample(now, self.serving.driver.locked(lambda core: core.router.kv.requests_by_node()))
         if (self._moving is not None and not self._moving.done()) or not self.balancer.due(now):
             return
         with self._lock:
             counts = dict(self._counts)
-        self.last = self.balancer.step(now, self.view(counts))
+        self.last = self.balancer.step(now, self.view(counts, self.queues.mean()))
         if self.last.judged:  # else the window goes on: too few requests to judge the balance by
+            self.queues.restart()
             with self._lock:
                 for key, n in counts.items():
                     self._counts[key] -= n
@@ -103,8 +116,8 @@ class PetMigrator:
         if self.last.moves:
             self._moving = asyncio.ensure_future(self._move_all(self.last.moves))
 
-    def view(self, counts: dict[tuple[str, str], float]) -> LoadView:
-        """The window's counts and who holds what, as the core and the registry see them now."""
+    def view(self, counts: dict[tuple[str, str], float], queue: dict[str, float] | None = None) -> LoadView:
+        """The window's counts (and mean queues) and who holds what, as the core and the registry see them now."""
 
         def look(core: CoordinatorCore) -> tuple[dict[str, tuple[int, int]], dict[str, frozenset[str]]]:
             router = core.router
@@ -118,7 +131,8 @@ class PetMigrator:
         draining: dict[str, int] = {}
         for task, node in {(m.task, m.src) for m in self._drains.values()}:
             draining[node] = draining.get(node, 0) + task_bytes.get((task, node), 0)
-        return LoadView(counts, layers, [t.name for t in ready], holders, task_bytes, draining_bytes=draining)
+        return LoadView(counts, layers, [t.name for t in ready], holders, task_bytes, draining_bytes=draining,
+                        queue=queue or {})
 
     async def _move_all(self, moves: Sequence[Move]) -> None:
         for move in moves:

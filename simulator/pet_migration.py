@@ -11,7 +11,8 @@ What :class:`TaskBalance` plays, for the live migrator (:mod:`router.pet_migrati
 asyncio and the task registry):
 
 * **counting** (:class:`TaskCounter`): every attempt, at its first token, once for each node of its
-  pipeline under its task, as the live ``TaskLoadObserver`` counts it;
+  pipeline under its task, as the live ``TaskLoadObserver`` counts it; every :data:`TICK_S`, each
+  node's requests in flight (the core's KV reservations) into a ``QueueMeter``, as live;
 * **a round**, when the balancer is due (looked at every :data:`TICK_S`) and no move is under way: a
   :class:`~router.pet_balancer.LoadView` of the window's counts, the routable nodes' layers, the tasks'
   holders and their PET bytes per node (nodes of a replica group taken as equally fast, as live); a
@@ -41,7 +42,7 @@ from helix.errors import ConfigError
 from helix.profile import ModelProfile
 from helix.task_memory import SPARSE_ENTRY_BYTES
 from helix.tasks import MAX_DIFF_DENSITY, MAX_MASK_COMPLEMENT_DENSITY
-from router.pet_balancer import LoadView, Move, PetBalancer, TaskLoadObserver
+from router.pet_balancer import LoadView, Move, PetBalancer, QueueMeter, TaskLoadObserver
 from router.policy import Router
 from router.task_placement import PlacementPolicy, replica_groups
 from simulator.results import SimConfig
@@ -116,6 +117,7 @@ class TaskBalance:
         self.load_gb_per_s = config.pet_load_gb_per_s
         self.serial_drains = config.pet_serial_drains
         self.counter = TaskCounter(config.bucket_s)
+        self.queues = QueueMeter()
         sim.core.observer = TaskLoadObserver(sim.core.observer, self.counter.count)
         self.layer_bytes = {t: pet_layer_bytes(pet, model) for t, pet in tasks.pet_of.items()}
         self.balancer = PetBalancer(self.policy, 0.0) if self.policy is not None else None
@@ -152,6 +154,7 @@ class TaskBalance:
     def _tick(self) -> None:
         now, balancer = self.sim.now, self.balancer
         assert balancer is not None
+        self.queues.sample(now, self.sim.core.router.kv.requests_by_node())
         if not self._moving and balancer.due(now):
             self._round(now, balancer)
         if now + TICK_S <= self.end:
@@ -159,9 +162,10 @@ class TaskBalance:
 
     def _round(self, now: float, balancer: PetBalancer) -> None:
         counts = dict(self.counter.window)
-        result = balancer.step(now, self.view(counts))
+        result = balancer.step(now, self.view(counts, self.queues.mean()))
         if result.judged:  # else the window goes on: too few requests to judge the balance by
             self.counter.window = {}
+            self.queues.restart()
         self.rounds.append({"at_s": now, "phi": result.phi, "judged": result.judged, "moves": len(result.moves),
                             "interval_s": result.interval_s})  # fmt: skip
         if result.moves:
@@ -169,8 +173,8 @@ class TaskBalance:
             self._moving = True
             self._next()
 
-    def view(self, counts: dict[tuple[str, str], float]) -> LoadView:
-        """The window's counts and who holds what, as the core's router sees them now."""
+    def view(self, counts: dict[tuple[str, str], float], queue: dict[str, float] | None = None) -> LoadView:
+        """The window's counts (and mean queues) and who holds what, as the core's router sees them now."""
         router: Router = self.sim.core.router
         layers = {n: r for n, r in router.topology.placement.items() if n not in router.dead and n not in router.draining}
         task_bytes = {(t, n): int(b * (e - s)) for t, b in self.layer_bytes.items() for n, (s, e) in layers.items()}
@@ -179,7 +183,7 @@ class TaskBalance:
             if m.outcome == "draining" and m.src in layers:
                 draining[m.src] = draining.get(m.src, 0) + task_bytes[(m.task, m.src)]
         return LoadView(counts, layers, self.tasks.names, router.task_nodes.restricted(), task_bytes,
-                        draining_bytes=draining)  # fmt: skip
+                        draining_bytes=draining, queue=queue or {})  # fmt: skip
 
     def _draining(self, task: str, node: str) -> bool:
         """Whether ``node`` still holds ``task``'s PET: switched away from it, not yet freed."""

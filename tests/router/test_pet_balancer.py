@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import pytest
 
+from router.kv import KVEstimator
 from router.pet_balancer import (
     BalancePolicy,
     LoadView,
     Move,
     PetBalancer,
+    QueueMeter,
     imbalance,
     next_interval,
     plan_moves,
@@ -99,6 +101,50 @@ def test_phi_and_the_adaptive_interval() -> None:
     assert enough.judged
     with pytest.raises(ValueError, match="theta"):
         BalancePolicy(theta=0.0)
+
+
+def test_the_mean_queue_is_a_time_average_of_the_requests_in_flight_per_node() -> None:
+    kv = KVEstimator({"cpu-0": 1e6, "cpu-1": 1e6, "cpu-2": 1e6})
+    kv.reserve("r1", [("cpu-1", 16), ("cpu-0", 14)], 10)
+    kv.reserve("r2", [("cpu-1", 16), ("cpu-0", 14)], 10)
+    kv.reserve("r3", [("cpu-2", 16), ("cpu-0", 14)], 10)
+    assert kv.requests_by_node() == {"cpu-0": 3, "cpu-1": 2, "cpu-2": 1}
+    kv.release("r2")
+    assert kv.requests_by_node() == {"cpu-0": 2, "cpu-1": 1, "cpu-2": 1}
+
+    meter = QueueMeter()
+    meter.sample(0.0, {"cpu-1": 4, "cpu-2": 0})
+    assert meter.mean() == {}  # one sample spans no time
+    meter.sample(1.0, {"cpu-1": 2, "cpu-2": 2})  # 4 and 0 held for 1 s
+    meter.sample(4.0, {"cpu-1": 0})  # then 2 and 2 for 3 s
+    assert meter.mean() == pytest.approx({"cpu-1": (4 * 1 + 2 * 3) / 4, "cpu-2": (0 * 1 + 2 * 3) / 4})
+    meter.restart()
+    meter.sample(6.0, {"cpu-1": 1})  # the last sample (cpu-1: 0, cpu-2 gone) held for 2 s
+    assert meter.mean() == {"cpu-1": 0.0}
+
+
+def test_queues_judge_the_balance_and_confirm_a_spread_the_counts_alone_call_chance() -> None:
+    counts = {"a": 6, "b": 4, "c": 2, "d": 4, "e": 3}  # 12 vs 7 of 19: within chance (2 x sqrt(19) = 8.7)
+    assert plan_moves(GROUP, view(counts), BalancePolicy()) == []
+    saturated = view(counts, queue={"cpu-1": 14.0, "cpu-2": 1.5, "cpu-0": 15.5})  # cpu-1 holds the queue
+    assert [m.task for m in plan_moves(GROUP, saturated, BalancePolicy())] == ["c"]  # 10 vs 9: the spread shrinks most
+    # queues a fraction of a request apart, or within theta of each other, confirm nothing
+    assert plan_moves(GROUP, view(counts, queue={"cpu-1": 1.2, "cpu-2": 0.4}), BalancePolicy()) == []
+    assert plan_moves(GROUP, view(counts, queue={"cpu-1": 20.0, "cpu-2": 18.5}), BalancePolicy()) == []
+    # nor do queues that say the other way round
+    assert plan_moves(GROUP, view(counts, queue={"cpu-1": 1.0, "cpu-2": 9.0}), BalancePolicy()) == []
+
+    policy = BalancePolicy(interval_s=2.0, min_interval_s=1.0, min_requests=8, settle_s=10.0)
+    balancer = PetBalancer(policy, now=0.0)
+    first = balancer.step(2.0, saturated)
+    assert first.phi == pytest.approx(1.5 / 14.0) and [m.task for m in first.moves] == ["c"]  # phi by the queues
+    # then cpu-2 holds the queue: 6 vs 11, and c going back would even it best (9 vs 8), but it moved 1 s ago
+    flipped = view({"a": 3, "b": 3, "c": 3, "d": 4, "e": 4}, on={**SPLIT, "c": "cpu-2"},
+                   queue={"cpu-1": 1.0, "cpu-2": 12.0})  # fmt: skip
+    assert [m.task for m in balancer.step(3.0, flipped).moves] == ["d"]  # c settles; d, next best, goes
+    assert [m.task for m in balancer.step(12.5, flipped).moves] == ["c"]  # c has settled; d has not
+    with pytest.raises(ValueError, match="settle_s"):
+        BalancePolicy(settle_s=-1.0)
 
 
 def test_helix_serve_flags_make_the_placement_and_balance_policies() -> None:

@@ -102,12 +102,22 @@ def test_under_a_skew_the_real_balancer_moves_pets_and_throughput_beats_the_stat
     assert sum(phi) / len(phi) > sum(static_phi) / len(static_phi)
 
 
-def test_under_an_even_popularity_almost_nothing_moves() -> None:
+def test_under_an_even_popularity_moves_are_few_settle_and_cost_nothing() -> None:
+    """Even popularity near saturation: the counts say chance, but the queues wander (one node's mean
+    queue 40 requests, the other's 3, for seconds), and where they agree with the counts a task
+    moves. A moved task stays ``settle_s``; the moves cost no throughput."""
     cluster, profiles, plan = _replicas()
     even = {**SKEW, "task_popularity": Popularity()}
+    static = simulate(cluster, profiles, plan, SimConfig(**even))  # type: ignore[arg-type]
     result = simulate(cluster, profiles, plan, SimConfig(**even, pet_balance=POLICY))  # type: ignore[arg-type]
     assert result.tasks is not None
-    assert result.tasks["moves_done"] <= 1 and len(result.tasks["rounds"]) >= 4
+    moves = result.tasks["moves"]
+    assert len(result.tasks["rounds"]) >= 4 and len(moves) <= 12  # of 30-odd rounds
+    asked: dict[str, float] = {}
+    for m in moves:
+        assert m["asked_s"] - asked.get(m["task"], -POLICY.settle_s) >= POLICY.settle_s, m
+        asked[m["task"]] = m["asked_s"]
+    assert result.decode_tok_s >= 0.99 * static.decode_tok_s
 
 
 def test_a_move_copies_the_pets_bytes_for_the_targets_layers() -> None:
