@@ -1,33 +1,33 @@
 """PET migration vs a static task assignment (issue 19; PetS section 3.4): the ``migration`` section of
 ``bench/pets_balance.py``, runnable alone.
 
-    python bench/pets_migration.py [--duration-s 180] [--shift-s 60] [--clients 12] [--tasks 16] [--rounds 1]
+    python bench/pets_migration.py [--duration-s 180] [--shift-s 60] [--clients 24] [--tasks 16] [--rounds 1]
+        [--layout replicas|pipeline] [--replica-max-batch 2] [--replica-cpu-share 0.4] [--ideal]
 
-A cluster with replicated layers, served for real: the demo cluster's three CPU nodes with cpu-1 and
-cpu-2 both holding layers [0, 28) and cpu-0 the last two (and the LM head), so every pipeline is
-cpu-1 -> cpu-0 or cpu-2 -> cpu-0. cpu-1's and cpu-2's agents are pinned to one core each (two
-machines' worth of replicas on a 2-core box), cpu-0's to a third where there are 4 cores or more;
-the coordinator and the clients take what is left. ``--replica-cpu-share F`` (default 0.5) also caps
-cpu-1's and cpu-2's agents at F of their core each (a CFS quota in a cgroup of their own; root and a
-cgroup ``cpu`` controller needed, ``0``: no cap): the time a replica leaves idle is then lost, as a GPU's
-is, instead of going to the coordinator and the clients, which share the same two cores. Without it
-an imbalance between the replicas costs this box little (two runs: 1.02× and 1.05×).
+A cluster with replicated layers, served for real: the demo cluster's three CPU nodes, by default
+(``--layout replicas``) each holding the whole model, as PetS's instances each hold it (``pipeline``:
+cpu-1 and cpu-2 hold layers [0, 28) before cpu-0's last two; one core each where the box has them).
+Every replica's agent is capped at ``--replica-cpu-share`` of a core (a CFS quota in a cgroup of its
+own; root and a cgroup ``cpu`` controller needed; ``0``: no cap): the time a replica leaves idle is
+then lost, as a GPU's is, instead of going to the coordinator and the clients, which share the box's
+cores. And each runs at most ``--replica-max-batch`` requests at once (``helix agent
+--max-batch-size``): a GPU saturates at its ``max_num_seqs``, while on this CPU a larger batch costs
+hardly more, so without the bound a replica holding the popular tasks absorbs them in its batch and
+an imbalance costs little (32 requests a replica, 24 clients: ideal ÷ static 1.16×; 2: 1.23-1.37×).
 ``--tasks`` random LoRA tasks (rank 8 on q/k/v/o) are loaded with ``helix serve --task-placement
-spread``: each on one of cpu-1 / cpu-2 (alternately) and on cpu-0. ``--clients`` closed-loop clients
-send ``--prompt-tokens``-token prompts for ``--max-tokens`` tokens of a task drawn from a Zipf
-popularity (exponent ``--zipf``) whose ranking is reshuffled every ``--shift-s`` seconds (the same
-schedule in both arms). The requests are prefill-heavy, as PetS's queries (BERT-style: one forward
-pass each): a node's work grows with the requests it takes, while on this CPU a decode step of a
-larger batch costs hardly more, which would hide an imbalance. Their prompts are 32 tokens (PetS's
-mean): with 128-token prompts the capped replicas answered 1.2 requests/s, so a 60 s popularity
-held about 70 requests, and a balancer counting requests cannot tell a 64/36 split of 24 requests
-(2 x sqrt(24) = 9.8 > 15 - 9) from chance before the popularity moves on.
+spread``: each on one replica, in turn. ``--clients`` closed-loop clients send ``--prompt-tokens``-token
+prompts for ``--max-tokens`` tokens of a task drawn from a Zipf popularity (exponent ``--zipf``) whose
+ranking is reshuffled every ``--shift-s`` seconds (the same schedule in every arm). The requests are
+prefill-heavy, as PetS's queries (BERT-style: one forward pass each): a node's work grows with the
+requests it takes. Their prompts are 32 tokens (PetS's mean).
 
 * **static**: the spread assignment stays as loaded;
-* **migration**: ``--pet-balance`` (PetS Algorithm 3; the interval adapts between 2 s and 20 s):
-  the coordinator moves tasks between cpu-1 and cpu-2 as their load drifts;
-* **ideal** (``--ideal``): ``--task-placement all``, every task on both replicas: what no balancer can
-  pass, the ceiling of migration ÷ static.
+* **migration**: ``--pet-balance`` (PetS Algorithm 3, the balance judged by the replicas' mean queues;
+  the interval adapts between 2 s and 20 s): the coordinator moves tasks between the replicas as
+  their load drifts;
+* **ideal** (``--ideal``): ``--task-placement all``, every task on every replica, routed by IWRR: what
+  holding every task everywhere gains. Not a bound: IWRR routes blind to the queues, a balancer that
+  reads them can pass it (the simulator's closed loop does).
 
 Each arm starts a fresh cluster, loads the tasks, warms up for ``--warmup-s``, then counts the
 requests answered over ``--duration-s`` (and the coordinator's generated tokens). Target (the
@@ -287,7 +287,7 @@ def add_migration_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--warmup-s", type=float, default=20.0, help="seconds of load before measuring (default 20)")
     ap.add_argument("--shift-s", type=float, default=60.0, help="the popularity is reshuffled this often (default 60)")
     ap.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of the tasks' popularity (default 1.1)")
-    ap.add_argument("--clients", type=int, default=12, help="closed-loop clients (default 12)")
+    ap.add_argument("--clients", type=int, default=24, help="closed-loop clients (default 24)")
     ap.add_argument("--tasks", type=int, default=16, help="LoRA tasks (default 16)")
     ap.add_argument("--prompt-tokens", type=int, default=32, help="tokens per prompt, random ids (default 32)")
     ap.add_argument("--min-requests", type=int, default=24,
@@ -296,12 +296,12 @@ def add_migration_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--layout", choices=sorted(LAYOUTS), default="replicas",
                     help="replicas (default): cpu-0, cpu-1 and cpu-2 each hold the whole model, PetS's instances; "
                          "pipeline: cpu-1 and cpu-2 hold layers [0, 28) before cpu-0's last two")
-    ap.add_argument("--replica-max-batch", type=int, default=0,
-                    help="helix agent --max-batch-size of every agent (default 0: the agent's own, 32)")
+    ap.add_argument("--replica-max-batch", type=int, default=2,
+                    help="helix agent --max-batch-size of every agent (default 2; 0: the agent's own, 32)")
     ap.add_argument("--ideal", action="store_true", help="add the ideal arm: every task on both replicas")
-    ap.add_argument("--replica-cpu-share", type=float, default=0.5,
-                    help="cap cpu-1's and cpu-2's agents at this share of their core (a cgroup CPU quota; root; "
-                         "0: no cap; default 0.5)")
+    ap.add_argument("--replica-cpu-share", type=float, default=0.4,
+                    help="cap the replicas' agents at this share of a core each (a cgroup CPU quota; root; "
+                         "0: no cap; default 0.4)")
 
 
 def main() -> int:

@@ -21,8 +21,9 @@ loop (each sends its next request when its last one ends; ``bench/pets_migration
 ``--sim-max-batch`` bounds each node's running requests (``helix agent --max-batch-size``; vLLM's
 ``max_num_seqs`` is 256 by default on an A100); 0: only its KV bounds them, as the paper's simulator.
 
-* **ideal** (``--sim-ideal``): every node holds every task (``--task-placement all``): what no balancer
-  can pass, the ceiling of migration ÷ static;
+* **ideal** (``--sim-ideal``): every node holds every task (``--task-placement all``), routed by IWRR:
+  what holding every task everywhere gains. Not a bound: IWRR routes blind to the nodes' queues, and
+  a balancer that reads them passes it where nodes are bounded;
 * **static**: the spread assignment stays;
 * **migration**: ``--pet-balance`` with ``helix serve``'s defaults (theta 0.9, interval 1-60 s,
   ``--sim-min-requests`` a window): the real ``router.pet_balancer.PetBalancer`` at simulated times, each
