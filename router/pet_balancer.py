@@ -10,8 +10,9 @@ group:
 
 * computes the group's balance ``phi = L_min / L_max`` from PetS's ``L``, each node's mean queue:
   the requests in flight on it (queued or running), averaged over the window (:class:`QueueMeter`,
-  sampled by the caller). Without queue samples ``L`` is the requests counted on the node over the
-  window, divided by its relative capacity;
+  sampled by the caller), when the queues are fresh: a request's mean time in flight (Little's law)
+  within ``max_interval_s``; a queue of requests that stay longer holds the popularity of rounds ago.
+  Otherwise ``L`` is the requests counted on the node over the window; both per unit of capacity;
 * if ``phi < theta``, moves tasks greedily from the most to the least loaded node by the counts
   (Algorithm 3): of the tasks on the node with the most requests, the one whose move shrinks the
   spread of the counts ``max - min`` the most (its requests counted as the target's from now on),
@@ -98,6 +99,7 @@ class LoadView:
     capacity: Mapping[str, float] = field(default_factory=dict)  # node -> relative capacity (absent: 1)
     draining_bytes: Mapping[str, int] = field(default_factory=dict)  # node -> PET bytes switched away, not yet freed
     queue: Mapping[str, float] = field(default_factory=dict)  # node -> mean requests in flight over the window (PetS's L)
+    window_s: float = 0.0  # the span the queues were averaged over
 
 
 @dataclass(slots=True)
@@ -149,6 +151,11 @@ class QueueMeter:
         nodes = set(self._area) | set(self._last[1] if self._last else ())
         return {n: self._area.get(n, 0.0) / self._span_s for n in nodes}
 
+    @property
+    def span_s(self) -> float:
+        """The seconds the samples since the window began cover."""
+        return self._span_s
+
     def restart(self) -> None:
         """A new window from the last sample on."""
         self._area, self._span_s = {}, 0.0
@@ -157,7 +164,7 @@ class QueueMeter:
 class _Group:
     """One replica group's loads, tasks per node and PET bytes per node, as moves change them."""
 
-    def __init__(self, nodes: list[str], view: LoadView) -> None:
+    def __init__(self, nodes: list[str], view: LoadView, policy: BalancePolicy) -> None:
         self.nodes = nodes
         self.view = view
         self.cap = {n: view.capacity.get(n, 1.0) or 1.0 for n in nodes}
@@ -172,6 +179,19 @@ class _Group:
         self.loads = {n: self.counted[n] / self.cap[n] for n in nodes}
         self.used = {n: view.draining_bytes.get(n, 0) + sum(view.task_bytes.get((t, n), 0) for t in view.tasks
                                                            if self.holds(t, n)) for n in nodes}  # fmt: skip
+        self.queue = self._fresh_queues(policy)
+
+    def _fresh_queues(self, policy: BalancePolicy) -> dict[str, float]:
+        """The nodes' mean queues per unit of capacity, when they say what the window's popularity does: a
+        request's mean time in flight (Little: queued / counted x window) within ``max_interval_s``.
+        Longer, and the queues hold the popularity of rounds ago ({}: the counts judge alone)."""
+        queue, counted = self.view.queue, sum(self.counted.values())
+        if not queue or not all(n in queue for n in self.nodes) or counted <= 0 or self.view.window_s <= 0:
+            return {}
+        in_flight_s = sum(queue[n] for n in self.nodes) / counted * self.view.window_s
+        if in_flight_s > policy.max_interval_s:
+            return {}
+        return {n: queue[n] / self.cap[n] for n in self.nodes}
 
     def holds(self, task: str, node: str) -> bool:
         held = self.held.get(task)
@@ -187,18 +207,14 @@ class _Group:
     def queues_agree(self, hi: str, lo: str, theta: float) -> bool:
         """Whether the mean queues say ``hi`` is busier than ``lo``: a whole request longer, and ``lo``'s below
         ``theta`` times ``hi``'s (per unit of capacity)."""
-        queue = self.view.queue
-        if hi not in queue or lo not in queue:
+        if not self.queue:
             return False
-        q_hi, q_lo = queue[hi] / self.cap[hi], queue[lo] / self.cap[lo]
+        q_hi, q_lo = self.queue[hi], self.queue[lo]
         return q_hi - q_lo >= 1.0 and q_lo < theta * q_hi
 
     def balance(self) -> float:
-        """The group's phi: by the mean queues when every node has one, else by the counts."""
-        queue = self.view.queue
-        if queue and all(n in queue for n in self.nodes):
-            return imbalance(queue[n] / self.cap[n] for n in self.nodes)
-        return imbalance(self.loads.values())
+        """The group's phi: by the mean queues when they are fresh (:meth:`_fresh_queues`), else by the counts."""
+        return imbalance((self.queue or self.loads).values())
 
     def spread_after(self, hi: str, lo: str, count: float) -> float:
         after = dict(self.loads)
@@ -223,7 +239,7 @@ class _Group:
 def plan_moves(nodes: list[str], view: LoadView, policy: BalancePolicy, settling: Collection[str] = ()) -> list[Move]:
     """Algorithm 3 on one replica group ``nodes``: the moves, in order (see the module doc); the tasks in
     ``settling`` (moved less than ``settle_s`` ago) stay."""
-    group = _Group(nodes, view)
+    group = _Group(nodes, view, policy)
     moved: set[str] = set(settling)
     moves: list[Move] = []
     while len(moves) < policy.max_moves:
@@ -276,7 +292,7 @@ class PetBalancer:
         # crosses, so a sum over the groups (8 on a cluster of 8 layer ranges) judged windows of 4 requests,
         # whose chance spreads moved tasks back and forth every second
         judged = bool(groups) and min(counted.values()) >= max(policy.min_requests, 1)
-        phis = {tuple(g): _Group(g, view).balance() if judged else 1.0 for g in groups}
+        phis = {tuple(g): _Group(g, view, policy).balance() if judged else 1.0 for g in groups}
         settling = {t for t, at in self.moved_at.items() if now - at < policy.settle_s}
         moves = [m for g, phi in phis.items() if phi < policy.theta
                  for m in plan_moves(list(g), view, policy, settling)]  # fmt: skip

@@ -126,13 +126,17 @@ def test_the_mean_queue_is_a_time_average_of_the_requests_in_flight_per_node() -
 def test_queues_judge_the_balance_and_confirm_a_spread_the_counts_alone_call_chance() -> None:
     counts = {"a": 6, "b": 4, "c": 2, "d": 4, "e": 3}  # 12 vs 7 of 19: within chance (2 x sqrt(19) = 8.7)
     assert plan_moves(GROUP, view(counts), BalancePolicy()) == []
-    saturated = view(counts, queue={"cpu-1": 14.0, "cpu-2": 1.5, "cpu-0": 15.5})  # cpu-1 holds the queue
+    queues = {"cpu-1": 14.0, "cpu-2": 1.5, "cpu-0": 15.5}  # cpu-1 holds the queue
+    saturated = view(counts, queue=queues, window_s=10.0)  # 15.5 in flight, 19 counted in 10 s: 8.2 s each
     assert [m.task for m in plan_moves(GROUP, saturated, BalancePolicy())] == ["c"]  # 10 vs 9: the spread shrinks most
+    # requests in flight longer than max_interval_s (82 s each over a window of 100 s): the queues hold the
+    # popularity of rounds ago, and the counts judge alone
+    assert plan_moves(GROUP, view(counts, queue=queues, window_s=100.0), BalancePolicy()) == []
     # queues a fraction of a request apart, or within theta of each other, confirm nothing
-    assert plan_moves(GROUP, view(counts, queue={"cpu-1": 1.2, "cpu-2": 0.4}), BalancePolicy()) == []
-    assert plan_moves(GROUP, view(counts, queue={"cpu-1": 20.0, "cpu-2": 18.5}), BalancePolicy()) == []
+    assert plan_moves(GROUP, view(counts, queue={"cpu-1": 1.2, "cpu-2": 0.4}, window_s=10.0), BalancePolicy()) == []
+    assert plan_moves(GROUP, view(counts, queue={"cpu-1": 20.0, "cpu-2": 18.5}, window_s=10.0), BalancePolicy()) == []
     # nor do queues that say the other way round
-    assert plan_moves(GROUP, view(counts, queue={"cpu-1": 1.0, "cpu-2": 9.0}), BalancePolicy()) == []
+    assert plan_moves(GROUP, view(counts, queue={"cpu-1": 1.0, "cpu-2": 9.0}, window_s=10.0), BalancePolicy()) == []
 
     policy = BalancePolicy(interval_s=2.0, min_interval_s=1.0, min_requests=8, settle_s=10.0)
     balancer = PetBalancer(policy, now=0.0)
@@ -140,7 +144,7 @@ def test_queues_judge_the_balance_and_confirm_a_spread_the_counts_alone_call_cha
     assert first.phi == pytest.approx(1.5 / 14.0) and [m.task for m in first.moves] == ["c"]  # phi by the queues
     # then cpu-2 holds the queue: 6 vs 11, and c going back would even it best (9 vs 8), but it moved 1 s ago
     flipped = view({"a": 3, "b": 3, "c": 3, "d": 4, "e": 4}, on={**SPLIT, "c": "cpu-2"},
-                   queue={"cpu-1": 1.0, "cpu-2": 12.0})  # fmt: skip
+                   queue={"cpu-1": 1.0, "cpu-2": 12.0}, window_s=10.0)  # fmt: skip
     assert [m.task for m in balancer.step(3.0, flipped).moves] == ["d"]  # c settles; d, next best, goes
     assert [m.task for m in balancer.step(12.5, flipped).moves] == ["c"]  # c has settled; d has not
     with pytest.raises(ValueError, match="settle_s"):
