@@ -44,13 +44,16 @@ class ScriptedAgent(threading.Thread):
         self._nonces: dict[bytes, tuple[bytes, bytes]] = {}
         self._authed: set[bytes] = set()
         self._left: dict[str, tuple[int, str]] = {}
+        self._sock_lock = threading.RLock()  # say() runs on the test's thread: a ZeroMQ socket is not thread-safe
 
     def run(self) -> None:
         next_hb = 0.0
         while not self.stop.is_set():
-            if self.sock.poll(20):
-                identity, *frames = self.sock.recv_multipart()
-                self.handle(identity, wire.decode(frames))
+            with self._sock_lock:
+                frames = self.sock.recv_multipart() if self.sock.poll(20) else None
+            if frames is not None:
+                identity, *rest = frames
+                self.handle(identity, wire.decode(rest))
             if time.monotonic() > next_hb and self.heartbeats.is_set():
                 for identity in self._authed:
                     self.send(identity, wire.Heartbeat(self.node_id, 1, 5, 10, 1000, 0, len(self._left)))
@@ -58,7 +61,8 @@ class ScriptedAgent(threading.Thread):
         self.ctx.destroy(linger=0)
 
     def send(self, identity: bytes, msg: wire.Message) -> None:
-        self.sock.send_multipart([identity, *wire.encode(msg)])
+        with self._sock_lock:
+            self.sock.send_multipart([identity, *wire.encode(msg)])
 
     def handle(self, identity: bytes, msg: wire.Message) -> None:
         self.received.append(msg)
