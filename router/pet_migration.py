@@ -99,7 +99,7 @@ class PetMigrator:
             return
         with self._lock:
             counts = dict(self._counts)
-        self.last = self.balancer.step(now, self.view(counts, self.queues.mean(), self.queues.span_s))
+        self.last = self.balancer.step(now, self.view(counts))
         if self.last.judged:  # else the window goes on: too few requests to judge the balance by
             self.queues.restart()
             with self._lock:
@@ -116,8 +116,7 @@ class PetMigrator:
         if self.last.moves:
             self._moving = asyncio.ensure_future(self._move_all(self.last.moves))
 
-    def view(self, counts: dict[tuple[str, str], float], queue: dict[str, float] | None = None,
-             window_s: float = 0.0) -> LoadView:
+    def view(self, counts: dict[tuple[str, str], float]) -> LoadView:
         """The window's counts (and mean queues) and who holds what, as the core and the registry see them now."""
 
         def look(core: CoordinatorCore) -> tuple[dict[str, tuple[int, int]], dict[str, frozenset[str]]]:
@@ -133,7 +132,7 @@ class PetMigrator:
         for task, node in {(m.task, m.src) for m in self._drains.values()}:
             draining[node] = draining.get(node, 0) + task_bytes.get((task, node), 0)
         return LoadView(counts, layers, [t.name for t in ready], holders, task_bytes, draining_bytes=draining,
-                        queue=queue or {}, window_s=window_s)
+                        queue=self.queues.mean(), window_s=self.queues.span_s)
 
     async def _move_all(self, moves: Sequence[Move]) -> None:
         for move in moves:

@@ -162,7 +162,7 @@ class TaskBalance:
 
     def _round(self, now: float, balancer: PetBalancer) -> None:
         counts = dict(self.counter.window)
-        result = balancer.step(now, self.view(counts, self.queues.mean(), self.queues.span_s))
+        result = balancer.step(now, self.view(counts))
         if result.judged:  # else the window goes on: too few requests to judge the balance by
             self.counter.window = {}
             self.queues.restart()
@@ -173,8 +173,7 @@ class TaskBalance:
             self._moving = True
             self._next()
 
-    def view(self, counts: dict[tuple[str, str], float], queue: dict[str, float] | None = None,
-             window_s: float = 0.0) -> LoadView:
+    def view(self, counts: dict[tuple[str, str], float]) -> LoadView:
         """The window's counts (and mean queues) and who holds what, as the core's router sees them now."""
         router: Router = self.sim.core.router
         layers = {n: r for n, r in router.topology.placement.items() if n not in router.dead and n not in router.draining}
@@ -184,7 +183,7 @@ class TaskBalance:
             if m.outcome == "draining" and m.src in layers:
                 draining[m.src] = draining.get(m.src, 0) + task_bytes[(m.task, m.src)]
         return LoadView(counts, layers, self.tasks.names, router.task_nodes.restricted(), task_bytes,
-                        draining_bytes=draining, queue=queue or {}, window_s=window_s)  # fmt: skip
+                        draining_bytes=draining, queue=self.queues.mean(), window_s=self.queues.span_s)  # fmt: skip
 
     def _draining(self, task: str, node: str) -> bool:
         """Whether ``node`` still holds ``task``'s PET: switched away from it, not yet freed."""
