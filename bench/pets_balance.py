@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,7 @@ KINDS = ("lora", "adapter", "bitfit", "diff", "mask")
 POLICIES = ("fcfs", "alpha", "beta", "coordinated")
 BASE_ARM = "base model"
 TARGET = Target(">=", 1.2)
+KV_TOKENS = 65536  # per arm: every request's reservation is its own tensor, allocated when it starts
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,59 +98,109 @@ def measured_costs(args: argparse.Namespace, layers: int) -> Any:
     return StepCostModel(curves, layers)
 
 
-def run_arm(engine: Any, batch: list[Query], gen_tokens: int, base: bool, costs: Any,
-            pet_of: dict[str, str], tag: str) -> dict[str, Any]:  # fmt: skip
-    """Every request at t = 0 until all finish: CPU seconds, tokens, steps, tasks per step, the model's seconds."""
+@dataclass(slots=True)
+class Arm:
+    """One policy's run of a round's requests: its own scheduler on the shared engine, and what it cost."""
+
+    name: str
+    scheduler: Any  # node_agent.scheduler.Scheduler
+    tag: str
+    task_of: dict[str, str | None] = field(default_factory=dict)
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    cpu_s: float = 0.0
+    steps: int = 0
+    touched: int = 0
+    model_ms: float = 0.0
+    sampled: int = 0
+    expected: int = 1
+
+    @property
+    def progress(self) -> float:
+        return self.sampled / self.expected
+
+
+def run_arms(engine: Any, arms: list[Arm], batch: list[Query], gen_tokens: int, costs: Any,
+             pet_of: dict[str, str], notify: Callable[[str], None] = lambda _: None) -> None:  # fmt: skip
+    """Every arm's copy of ``batch`` at t = 0 until all finish, the arms' steps interleaved on one engine.
+
+    Each arm has its own scheduler (its policy, its KV account); the engine's weights and tasks are
+    shared. The next step is always the one of the unfinished arm least far through its tokens, so the
+    arms run side by side through the round: a machine that slows down, or another process taking the
+    memory bus, slows every arm alike, and each step's process CPU time is its own arm's.
+    """
     from node_agent.sampling import SamplingParams
 
-    task_of: dict[str, str | None] = {}
-    for i, q in enumerate(batch):
-        rid = f"{tag}{i}"
-        task_of[rid] = None if base else q.task
-        engine.add_request(rid, SamplingParams(max_tokens=gen_tokens), prompt_token_ids=q.prompt, task=task_of[rid])
-    tokens: dict[str, list[int]] = {}
-    steps = touched = 0
-    model_ms = 0.0
+    for arm in arms:
+        engine.scheduler = arm.scheduler
+        for i, q in enumerate(batch):
+            rid = f"{arm.tag}{i}"
+            arm.task_of[rid] = None if arm.name == BASE_ARM else q.task
+            engine.add_request(rid, SamplingParams(max_tokens=gen_tokens), prompt_token_ids=q.prompt,
+                               task=arm.task_of[rid])  # fmt: skip
+        arm.expected = len(batch) * gen_tokens
     head = costs.curves.head
-    t0 = time.process_time()
-    while engine.has_unfinished:
+    shown = 0
+    while live := [a for a in arms if a.scheduler.has_unfinished]:
+        arm = min(live, key=lambda a: a.progress)
+        engine.scheduler = arm.scheduler
+        t0 = time.process_time()
         result = engine.step()
-        steps += 1
+        arm.cpu_s += time.process_time() - t0
+        arm.steps += 1
         rows: dict[str, int] = {}
         for out in result.outputs:
             if out.token is not None:
-                tokens.setdefault(out.request_id, []).append(out.token)
-            task = task_of[out.request_id]
+                arm.tokens.setdefault(out.request_id, []).append(out.token)
+                arm.sampled += 1
+            task = arm.task_of[out.request_id]
             if task is not None:
                 rows[task] = rows.get(task, 0) + out.num_tokens
-        touched += len(rows)
+        arm.touched += len(rows)
         prefill, decodes, _ = result.by_start.get(0, (0, 0, 0))
         sampled = sum(out.token is not None for out in result.outputs)
-        model_ms += costs.alpha_ms(prefill, decodes) + sum(costs.beta_ms(pet_of[t], n) for t, n in rows.items()) \
+        arm.model_ms += costs.alpha_ms(prefill, decodes) + sum(costs.beta_ms(pet_of[t], n) for t, n in rows.items()) \
             + (head.at(sampled) if head is not None else 0.0)
-    cpu = time.process_time() - t0
-    processed = sum(len(q.prompt) for q in batch) + sum(map(len, tokens.values()))
-    return {"cpu_s": cpu, "tok_s": processed / cpu, "steps": steps, "tasks_per_step": touched / steps,
-            "model_s": model_ms / 1000, "tokens": [tokens.get(f"{tag}{i}", []) for i in range(len(batch))]}
+        done = min(a.progress for a in arms)
+        if done >= (shown + 1) / 10:
+            shown = int(done * 10)
+            notify(f"{shown * 10} % of every arm's tokens, " + ", ".join(f"{a.name} {a.cpu_s:.0f}" for a in arms)
+                   + " CPU-s")
 
 
-def bench_batching(args: argparse.Namespace) -> None:
+@dataclass(frozen=True, slots=True)
+class RoundResult:
+    """One round of the batching section: each arm's figures, and the greedy tokens' agreement."""
+
+    index: int
+    sigma: float
+    arms: dict[str, dict[str, float]]
+    same_tokens: bool
+    wall_s: float
+
+
+def batching_round(args: argparse.Namespace, r: int, tag: str = "") -> RoundResult:
+    """Round ``r`` of the batching section in this process: a fresh engine holding the tasks, every arm
+    of the round's requests interleaved (:func:`run_arms`)."""
     import torch
 
     from node_agent.batching import BatchingMode, BatchingPolicy
     from node_agent.engine import StageEngine
     from node_agent.gguf_convert import cached_model_dir
+    from node_agent.kv_cache import KVAccount
     from node_agent.pet_samples import LORA_RANK, sample_pet
+    from node_agent.scheduler import Scheduler
 
     torch.set_num_threads(1)
+    say = lambda text: CONSOLE.print(f"[dim]batching{tag}: {text}[/]")  # noqa: E731
     n_tasks, n_queries = (16, 48) if args.quick else (args.batching_tasks, args.queries)
     sigmas = [float(s) for s in args.sigmas.split(",")]
-    engine = StageEngine(cached_model_dir(), kv_capacity_tokens=65536)
+    engine = StageEngine(cached_model_dir(), kv_capacity_tokens=KV_TOKENS)
     config = engine.scheduler.config
     costs = measured_costs(args, engine.layer_end - engine.layer_start)
-    CONSOLE.print(f"[dim]α: decode {costs.alpha_ms(0, 1):.1f} ms at 1, {costs.alpha_ms(0, 32):.1f} ms at 32; prefill "
-                  f"{costs.alpha_ms(256, 0):.0f} ms at 256 tokens. β at 1 / 16 rows (ms, all layers): "
-                  + ", ".join(f"{k} {costs.beta_ms(k, 1):.2f} / {costs.beta_ms(k, 16):.2f}" for k in KINDS) + "[/]")
+    if r == 0:
+        say(f"α: decode {costs.alpha_ms(0, 1):.1f} ms at 1, {costs.alpha_ms(0, 32):.1f} ms at 32; prefill "
+            f"{costs.alpha_ms(256, 0):.0f} ms at 256 tokens. β at 1 / 16 rows (ms, all layers): "
+            + ", ".join(f"{k} {costs.beta_ms(k, 1):.2f} / {costs.beta_ms(k, 16):.2f}" for k in KINDS))
     names, pet_of = [], {}
     t0 = time.perf_counter()
     for i in range(n_tasks):
@@ -157,37 +208,62 @@ def bench_batching(args: argparse.Namespace) -> None:
         names.append(f"{kind}-{i}")
         pet_of[names[-1]] = kind
         engine.add_task(names[-1], sample_pet(kind, engine.config, seed=3000 + i), max_lora_rank=LORA_RANK)
-    CONSOLE.print(f"[dim]{n_tasks} tasks bound in {time.perf_counter() - t0:.0f} s[/]")
-    policies = {p: BatchingPolicy(BatchingMode(p), args.max_passed_over_steps,
-                                  None if p == "fcfs" else costs) for p in POLICIES}  # fmt: skip
-    arms = [*POLICIES, *([] if args.no_base_arm else [BASE_ARM])]
+    say(f"{n_tasks} tasks bound in {time.perf_counter() - t0:.0f} s")
     vocab = engine.config.vocab_size
-    warm = queries(16, 4, names, vocab, seed=999)
-    run_arm(engine, warm, 4, False, costs, pet_of, "warm")
+
+    def arm(name: str, prefix: str) -> Arm:
+        policy = BatchingPolicy(BatchingMode(name), args.max_passed_over_steps, None if name == "fcfs" else costs) \
+            if name != BASE_ARM else BatchingPolicy()
+        return Arm(name, Scheduler(replace(config, batching=policy), KVAccount(KV_TOKENS)), f"{prefix}{name[:2]}-")
+
+    run_arms(engine, [arm("fcfs", "warm")], queries(16, 4, names, vocab, seed=999), 4, costs, pet_of)
+    sigma = sigmas[r % len(sigmas)]
+    batch = queries(n_queries, sigma, names, vocab, seed=r)
+    t0 = time.perf_counter()
+    arms = [arm(name, f"r{r}") for name in arm_order([*POLICIES, *([] if args.no_base_arm else [BASE_ARM])], r)]
+    run_arms(engine, arms, batch, args.gen_tokens, costs, pet_of, say)
+    figures = {}
+    for a in arms:
+        processed = sum(len(q.prompt) for q in batch) + sum(map(len, a.tokens.values()))
+        figures[a.name] = {"cpu_s": a.cpu_s, "tok_s": processed / a.cpu_s, "steps": a.steps,
+                           "tasks_per_step": a.touched / a.steps, "model_s": a.model_ms / 1000}  # fmt: skip
+        say(f"  {a.name}: {a.cpu_s:.1f} CPU-s (model {a.model_ms / 1000:.1f} s), {a.steps} steps, "
+            f"{a.touched / a.steps:.1f} tasks a step")
+    answers = [[a.tokens.get(f"{a.tag}{i}", []) for i in range(len(batch))] for a in arms if a.name != BASE_ARM]
+    return RoundResult(r, sigma, figures, all(x == answers[0] for x in answers), time.perf_counter() - t0)
+
+
+def _round_in_child(args: argparse.Namespace, r: int) -> RoundResult:
+    return batching_round(args, r, f" r{r + 1}")
+
+
+def bench_batching(args: argparse.Namespace) -> None:
+    rounds = list(range(args.rounds))
+    CONSOLE.print(f"[dim]batching: {len(rounds)} round(s), {min(args.jobs, len(rounds))} at a time[/]")
+    if args.jobs > 1 and len(rounds) > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(min(args.jobs, len(rounds)), mp_context=multiprocessing.get_context("spawn")) as pool:
+            results = list(pool.map(_round_in_child, [args] * len(rounds), rounds))
+    else:
+        results = [batching_round(args, r, f" round {r + 1} of {len(rounds)}") for r in rounds]
     log = RoundLog()
-    same = True
-    for r in log.each_round(args.rounds, lambda text: CONSOLE.print(f"[dim]batching: {text}[/]")):
-        sigma = sigmas[r % len(sigmas)]
-        batch = queries(n_queries, sigma, names, vocab, seed=r)
-        log.record(r, "prompt σ", sigma, "")
-        reference: list[list[int]] | None = None
-        for arm in arm_order(arms, r):
-            engine.scheduler.config = replace(config, batching=policies.get(arm, policies["fcfs"]))
-            got = run_arm(engine, batch, args.gen_tokens, arm == BASE_ARM, costs, pet_of, f"r{r}{arm[:2]}-")
-            CONSOLE.print(f"[dim]  {arm}: {got['cpu_s']:.1f} CPU-s (model {got['model_s']:.1f} s), {got['steps']} "
-                          f"steps, {got['tasks_per_step']:.1f} tasks a step[/]")
-            log.record(r, f"{arm}, tok/s (CPU)", got["tok_s"], "tok/s")
-            log.record(r, f"{arm}, tasks a step", got["tasks_per_step"], "")
-            log.record(r, f"{arm}, model s ÷ CPU s", got["model_s"] / got["cpu_s"], "×")
-            if arm != BASE_ARM:
-                reference = reference or got["tokens"]
-                same = same and got["tokens"] == reference
-        for arm in arms[1:]:
-            log.ratio(f"{arm} ÷ fcfs", f"{arm}, tok/s (CPU)", "fcfs, tok/s (CPU)")
-    engine.scheduler.config = config
+    for res in results:
+        log.record(res.index, "prompt σ", res.sigma, "")
+        for name, got in res.arms.items():
+            log.record(res.index, f"{name}, tok/s (CPU)", got["tok_s"], "tok/s")
+            log.record(res.index, f"{name}, tasks a step", got["tasks_per_step"], "")
+            log.record(res.index, f"{name}, model s ÷ CPU s", got["model_s"] / got["cpu_s"], "×")
+        log.wall_s.append(res.wall_s)
+    for name in [*POLICIES[1:], *([] if args.no_base_arm else [BASE_ARM])]:
+        log.ratio(f"{name} ÷ fcfs", f"{name}, tok/s (CPU)", "fcfs, tok/s (CPU)")
+    n_tasks, n_queries = (16, 48) if args.quick else (args.batching_tasks, args.queries)
     report(CONSOLE, log, f"Coordinated batching: {n_tasks} tasks of five PET types, {n_queries} requests at t = 0 on "
-                         f"random tasks, prompts N(32, σ), {args.gen_tokens} greedy tokens; SmolLM2-135M, one thread",
+                         f"random tasks, prompts N(32, σ), {args.gen_tokens} greedy tokens; SmolLM2-135M, one thread; "
+                         f"the arms' steps interleaved",
            {"coordinated ÷ fcfs": TARGET})  # fmt: skip
+    same = all(res.same_tokens for res in results)
     style = "green" if same else "red"
     CONSOLE.print(f"[{style}]every request's greedy tokens the same under the four policies: {same}[/]")
 
@@ -202,6 +278,8 @@ def add_batching_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-passed-over-steps", type=int, default=16, help="the policies' starvation bound (default 16)")
     g.add_argument("--profiles", help="profiles file with the machine's curves (default: helix profile of the demo)")
     g.add_argument("--no-base-arm", action="store_true", help="skip the base-model arm")
+    g.add_argument("--jobs", type=int, default=1,
+                   help="rounds run at once, each in its own process on its own core (default 1)")
     g.add_argument("--quick", action="store_true", help="smoke run: 16 tasks, 48 requests")
 
 
