@@ -2,7 +2,8 @@
 ``bench/pets_balance.py``, runnable alone.
 
     python bench/pets_migration.py [--duration-s 180] [--shift-s 60] [--clients 24] [--tasks 16] [--rounds 1]
-        [--layout replicas|pipeline] [--replica-max-batch 2] [--replica-cpu-share 0.4] [--ideal]
+        [--layout replicas|pipeline] [--replica-max-batch 2] [--replica-kv-tokens 128] [--replica-cpu-share 0.4]
+        [--ideal]
 
 A cluster with replicated layers, served for real: the demo cluster's three CPU nodes, by default
 (``--layout replicas``) each holding the whole model, as PetS's instances each hold it (``pipeline``:
@@ -14,6 +15,12 @@ cores. And each runs at most ``--replica-max-batch`` requests at once (``helix a
 --max-batch-size``): a GPU saturates at its ``max_num_seqs``, while on this CPU a larger batch costs
 hardly more, so without the bound a replica holding the popular tasks absorbs them in its batch and
 an imbalance costs little (32 requests a replica, 24 clients: ideal ÷ static 1.16×; 2: 1.23-1.37×).
+Each agent's KV holds ``--replica-kv-tokens`` (``helix agent --kv-capacity-tokens``; 128: three requests
+under the coordinator's 0.85 watermark), so a replica holds the two it runs and one to start next,
+and the rest wait at the coordinator (``helix serve --admission-timeout-s 600``, so that none times
+out): a move then redirects its task's waiting requests, where a replica that had queued them all
+would keep the backlog of a task moved away (``0``: the agent's own 65,536 tokens, every request
+sent on at once).
 ``--tasks`` random LoRA tasks (rank 8 on q/k/v/o) are loaded with ``helix serve --task-placement
 spread``: each on one replica, in turn. ``--clients`` closed-loop clients send ``--prompt-tokens``-token
 prompts for ``--max-tokens`` tokens of a task drawn from a Zipf popularity (exponent ``--zipf``) whose
@@ -110,11 +117,14 @@ class Serving(Cluster):
     --task-placement placement`` with ``flags`` over them."""
 
     def __init__(self, cluster_path: Path, plan_path: Path, workdir: Path, flags: list[str], share: float,
-                 placement: str = "spread", layout: str = "replicas", max_batch: int = 0) -> None:  # fmt: skip
+                 placement: str = "spread", layout: str = "replicas", max_batch: int = 0, kv_tokens: int = 0) -> None:  # fmt: skip
         self.quotas = ReplicaQuotas(share, workdir.name)
+        agent_args = [*(["--max-batch-size", str(max_batch)] if max_batch else []),
+                      *(["--kv-capacity-tokens", str(kv_tokens)] if kv_tokens else [])]  # fmt: skip
         super().__init__(cluster_path, plan_path, workdir, on_agents=lambda agents: _pin(agents, self.quotas, layout),
-                         agent_args=["--max-batch-size", str(max_batch)] if max_batch else [],
-                         flags=["--no-replan", "--task-placement", placement, *flags])  # fmt: skip
+                         agent_args=agent_args,
+                         flags=["--no-replan", "--task-placement", placement, "--admission-timeout-s", "600",
+                                *flags])  # fmt: skip
 
     def close(self) -> None:
         try:
@@ -206,7 +216,7 @@ def run_arm(args: argparse.Namespace, arm: str, workdir: Path, tasks: list[tuple
              str(args.min_requests)] if arm == "migration" else []  # fmt: skip
     serving = Serving(cluster_path, plan_path, workdir, flags, args.replica_cpu_share,
                       placement="all" if arm == IDEAL else "spread", layout=args.layout,
-                      max_batch=args.replica_max_batch)  # fmt: skip
+                      max_batch=args.replica_max_batch, kv_tokens=args.replica_kv_tokens)  # fmt: skip
     errors: list[str] = []
     answered: list[float] = []  # when each request was answered
     try:
@@ -298,6 +308,9 @@ def add_migration_arguments(ap: argparse.ArgumentParser) -> None:
                          "pipeline: cpu-1 and cpu-2 hold layers [0, 28) before cpu-0's last two")
     ap.add_argument("--replica-max-batch", type=int, default=2,
                     help="helix agent --max-batch-size of every agent (default 2; 0: the agent's own, 32)")
+    ap.add_argument("--replica-kv-tokens", type=int, default=128,
+                    help="helix agent --kv-capacity-tokens of every agent (default 128: three requests of 36 tokens "
+                         "under the coordinator's 0.85 watermark, so the rest wait at the coordinator; 0: the agent's own)")
     ap.add_argument("--ideal", action="store_true", help="add the ideal arm: every task on both replicas")
     ap.add_argument("--replica-cpu-share", type=float, default=0.4,
                     help="cap the replicas' agents at this share of a core each (a cgroup CPU quota; root; "

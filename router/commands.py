@@ -60,6 +60,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1 (repeatable; also $HELIX_API_KEYS, comma-separated)")
     p.add_argument("--max-tokens-cap", type=int, default=2048, help="largest max_tokens a request may ask for")
     p.add_argument("--queue-bound", type=int, default=256, help="requests that may wait for a route before 429")
+    p.add_argument("--admission-timeout-s", type=float, default=30.0,
+                   help="a request that waits this long for a route gets 429 (default 30)")
     p.add_argument("--watermark", type=float, default=0.85, help="KV high watermark (fraction of capacity)")
     p.add_argument("--max-lora-rank", type=int, default=0,
                    help="refuse LoRA tasks of a higher rank when they are loaded (0: no limit; docs/pets.md)")
@@ -123,8 +125,11 @@ def _options(args: argparse.Namespace, names: list[str] | None = None, *, curve:
     policy = None if args.no_replan or curve is not None else MembershipPolicy(grace_s=args.replan_grace_s,
                                                           min_interval_s=args.replan_interval_s,
                                                           replan_time_limit_s=args.replan_time_limit_s)  # fmt: skip
+    if not args.admission_timeout_s > 0:
+        raise ConfigError(f"must be positive, got {args.admission_timeout_s}", field="--admission-timeout-s")
     return ServeOptions(model_dir=args.model_dir, max_tokens_cap=args.max_tokens_cap, queue_bound=args.queue_bound,
-                        watermark=args.watermark, served_model_names=names or [], max_lora_rank=args.max_lora_rank,
+                        admission_timeout_s=args.admission_timeout_s, watermark=args.watermark,
+                        served_model_names=names or [], max_lora_rank=args.max_lora_rank,
                         membership=policy, task_placement=PlacementPolicy(args.task_placement),
                         pet_balance=balance_policy(args))  # fmt: skip
 

@@ -57,6 +57,7 @@ from router.core_interfaces import CoreObserver, CoreOutput, QuietObserver, Task
 from router.holdings import AgentHoldings
 from router.policy import Router, RouteRequest
 from router.request import Finish, Request, RequestOutput, RequestStatus
+from router.task_placement import replica_groups
 from router.waiting import start_waiting
 
 log = logging.getLogger(__name__)
@@ -142,6 +143,24 @@ class CoordinatorCore:
             self._end(request, RequestStatus.FINISHED_ERROR)
             raise reject
         self._wait(request, now)
+
+    def queues_by_node(self) -> dict[str, float]:
+        """Each routable node's queue now, PetS's ``L``: the requests in flight on it (queued there or
+        running), plus every request waiting here for a route, shared among the nodes of each replica
+        group that could take it (its task's holders; the whole group for a task nobody restricted)."""
+        router = self.router
+        out: dict[str, float] = dict(router.kv.requests_by_node())
+        live = {n: r for n, r in router.topology.placement.items() if n not in router.dead and n not in router.draining}
+        groups = replica_groups(live)
+        for request in self.waiting:
+            if request.status.finished:
+                continue
+            holders = router.task_nodes.holders(request.params.task)
+            for group in groups:
+                takers = group if holders is None else [n for n in group if n in holders]
+                for node in takers:
+                    out[node] = out.get(node, 0.0) + 1 / len(takers)
+        return out
 
     def _wait(self, request: Request, now: float, *, first: bool = False) -> None:
         """Queue ``request`` until a route frees up, for at most the admission timeout."""

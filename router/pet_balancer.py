@@ -9,7 +9,8 @@ task's requests per node over a window (:class:`LoadView`; counted at each attem
 group:
 
 * computes the group's balance ``phi = L_min / L_max`` from PetS's ``L``, each node's mean queue:
-  the requests in flight on it (queued or running), averaged over the window (:class:`QueueMeter`,
+  the requests in flight on it (queued or running) and those waiting at the coordinator for it
+  (:meth:`router.core.CoordinatorCore.queues_by_node`), averaged over the window (:class:`QueueMeter`,
   sampled by the caller), when the queues are fresh: a request's mean time in flight (Little's law)
   within ``max_interval_s``; a queue of requests that stay longer holds the popularity of rounds ago.
   Otherwise ``L`` is the requests counted on the node over the window; both per unit of capacity;

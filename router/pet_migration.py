@@ -94,7 +94,7 @@ class PetMigrator:
         """On the loop, a few times a second: start a round when one is due and no copy or switch is under way
         (drains go on meanwhile)."""
         now = time.monotonic()
-        self.queues.sample(now, self.serving.driver.locked(lambda core: core.router.kv.requests_by_node()))
+        self.queues.sample(now, self.serving.driver.locked(lambda core: core.queues_by_node()))
         if (self._moving is not None and not self._moving.done()) or not self.balancer.due(now):
             return
         with self._lock:

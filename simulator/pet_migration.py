@@ -154,7 +154,7 @@ class TaskBalance:
     def _tick(self) -> None:
         now, balancer = self.sim.now, self.balancer
         assert balancer is not None
-        self.queues.sample(now, self.sim.core.router.kv.requests_by_node())
+        self.queues.sample(now, self.sim.core.queues_by_node())
         if not self._moving and balancer.due(now):
             self._round(now, balancer)
         if now + TICK_S <= self.end:

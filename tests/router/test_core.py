@@ -69,6 +69,22 @@ def test_a_request_that_waits_past_its_deadline_gets_429() -> None:
     assert "c" not in core.requests and not core.waiting
 
 
+@pytest.mark.parametrize(("flag", "value"), [("--admission-timeout-s", "0"), ("--replan-grace-s", "-1")])
+def test_serve_refuses_a_bad_timing_option_naming_it(flag: str, value: str) -> None:
+    import argparse
+
+    from helix.errors import ConfigError
+    from router.commands import _options, add_serve_arguments
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    args = parser.parse_args(["--cluster", "c.yaml", "--plan", "p.json", flag, value])
+    with pytest.raises(ConfigError) as err:
+        _options(args)
+    assert err.value.field == flag and "must be positive" in str(err.value)
+    good = _options(parser.parse_args(["--cluster", "c.yaml", "--plan", "p.json", "--admission-timeout-s", "120"]))
+    assert good.admission_timeout_s == 120
+
 def test_requests_that_can_never_fit_or_find_no_route_are_refused_at_once() -> None:
     core = joined_core(demo_router(5 * 30))
     with pytest.raises(CapacityError, match="does not fit in the KV cache"):

@@ -170,3 +170,27 @@ def test_helix_serve_flags_make_the_placement_and_balance_policies() -> None:
     assert (policy.min_interval_s, policy.interval_s, policy.max_interval_s, policy.theta) == (2.0, 10.0, 30.0, 0.9)
     with pytest.raises(ConfigError, match="NODE=BYTES"):
         _options(parser.parse_args(["--cluster", "c", "--plan", "p", "--pet-balance", "--pet-node-bytes", "cpu-1"]))
+
+
+def test_a_nodes_queue_counts_the_requests_waiting_at_the_coordinator_for_it() -> None:
+    from router.request import RequestStatus
+    from tests.factories import demo_router, joined_core, request
+
+    replicas = {n: (0, 30) for n in ("cpu-0", "cpu-1", "cpu-2")}  # one replica group
+    flows = {**{("coordinator", n): 1.0 for n in replicas}, **{(n, "coordinator"): 1.0 for n in replicas}}
+    core = joined_core(demo_router(30 * 20, placement=replicas, flows=flows))  # a request of 10 + 10 fills a node
+    core.router.task_nodes.assign("sql", {"cpu-0"})
+    for i in range(3):
+        core.add_request(request(f"sql{i}", task="sql"), now=0.0)
+    core.add_request(request("base1"), now=0.0)
+    core.add_request(request("base2"), now=0.0)
+    core.add_request(request("base3"), now=0.0)
+    core.schedule(0.0)
+    assert [r.request_id for r in core.waiting] == ["sql1", "sql2", "base3"]
+    assert all(core.requests[r].status is RequestStatus.WAITING for r in ("sql1", "sql2", "base3"))
+    # in flight: one on each node; waiting: two for sql's one holder, one for any of the three
+    assert core.queues_by_node() == pytest.approx({"cpu-0": 1 + 2 + 1 / 3, "cpu-1": 1 + 1 / 3, "cpu-2": 1 + 1 / 3})
+    core.router.task_nodes.move("sql", "cpu-0", "cpu-1", replicas)  # the waiting ones follow the task
+    assert core.queues_by_node() == pytest.approx({"cpu-0": 1 + 1 / 3, "cpu-1": 1 + 2 + 1 / 3, "cpu-2": 1 + 1 / 3})
+    core.router.mark_dead("cpu-2")  # a dead node takes nothing
+    assert core.queues_by_node() == pytest.approx({"cpu-0": 1 + 0.5, "cpu-1": 1 + 2 + 0.5, "cpu-2": 1})
