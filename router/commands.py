@@ -61,7 +61,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens-cap", type=int, default=2048, help="largest max_tokens a request may ask for")
     p.add_argument("--queue-bound", type=int, default=256, help="requests that may wait for a route before 429")
     p.add_argument("--admission-timeout-s", type=float, default=30.0,
-                   help="a request that waits this long for a route gets 429 (default 30)")
+                   help="a request that waits this long for a route gets 429")
     p.add_argument("--watermark", type=float, default=0.85, help="KV high watermark (fraction of capacity)")
     p.add_argument("--max-lora-rank", type=int, default=0,
                    help="refuse LoRA tasks of a higher rank when they are loaded (0: no limit; docs/pets.md)")
