@@ -11,8 +11,11 @@ Sections (``--only``, repeatable; default: all; each is a ``Section`` in ``SECTI
   requests all at t = 0 (1,024: PetS's query pool), each on a task drawn at random, prompts of Gaussian length (PetS's protocol:
   mean 32, σ from ``--sigmas`` in turn by round; random token ids), ``--gen-tokens`` greedy tokens
   each (32: PetS's queries are one pass of an encoder; a language model's answer is decode steps, where
-  a step's PET ops are a call per task for a row each). The four policies (``helix agent --batching``) run the same requests, interleaved (ABBA):
-  fcfs, alpha (α-only), beta (β-only), coordinated; priced by the α and β models of ``helix
+  a step's PET ops are a call per task for a row each). The four policies (``helix agent --batching``) run the same requests,
+  fcfs, alpha (α-only), beta (β-only), coordinated, side by side on one engine: each arm has its own
+  scheduler, and the next step is always that of the arm least far through its tokens, so drift on the
+  machine hits every arm alike (``run_arms``); each step's CPU time is its own arm's. ``--jobs 2`` runs
+  the rounds at once, each in its own process. The policies are priced by the α and β models of ``helix
   profile``'s measurement of this machine (the demo cluster's ``cpu``; ``--profiles`` takes a file).
   A fifth arm, the same requests on the base model (no task), shows what the tasks' ops cost at all:
   what any policy could win back. Figures: tokens (prompt + generated) per CPU-second, each policy ÷
@@ -238,9 +241,13 @@ def _round_in_child(args: argparse.Namespace, r: int) -> RoundResult:
 
 
 def bench_batching(args: argparse.Namespace) -> None:
+    if args.jobs < 1:
+        raise SystemExit(f"--jobs must be 1 or more, got {args.jobs}")
     rounds = list(range(args.rounds))
     CONSOLE.print(f"[dim]batching: {len(rounds)} round(s), {min(args.jobs, len(rounds))} at a time[/]")
-    if args.jobs > 1 and len(rounds) > 1:
+    t0 = time.perf_counter()
+    parallel = args.jobs > 1 and len(rounds) > 1
+    if parallel:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
@@ -255,7 +262,8 @@ def bench_batching(args: argparse.Namespace) -> None:
             log.record(res.index, f"{name}, tok/s (CPU)", got["tok_s"], "tok/s")
             log.record(res.index, f"{name}, tasks a step", got["tasks_per_step"], "")
             log.record(res.index, f"{name}, model s ÷ CPU s", got["model_s"] / got["cpu_s"], "×")
-        log.wall_s.append(res.wall_s)
+        # rounds side by side: each its share of the wall time, so that the report's total is the run's
+        log.wall_s.append((time.perf_counter() - t0) / len(results) if parallel else res.wall_s)
     for name in [*POLICIES[1:], *([] if args.no_base_arm else [BASE_ARM])]:
         log.ratio(f"{name} ÷ fcfs", f"{name}, tok/s (CPU)", "fcfs, tok/s (CPU)")
     n_tasks, n_queries = (16, 48) if args.quick else (args.batching_tasks, args.queries)
