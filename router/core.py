@@ -145,8 +145,8 @@ class CoordinatorCore:
         self._wait(request, now)
 
     def queues_by_node(self) -> dict[str, float]:
-        """Each routable node's queue now, PetS's ``L``: the requests in flight on it (queued there or
-        running), plus every request waiting here for a route, shared among the nodes of each replica
+        """Each node's queue now, PetS's ``L``: the requests in flight on it (queued there or
+        running), plus every request waiting here for a route, shared among the live nodes of each replica
         group that could take it (its task's holders; the whole group for a task nobody restricted)."""
         router = self.router
         out: dict[str, float] = dict(router.kv.requests_by_node())
