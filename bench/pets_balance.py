@@ -181,6 +181,12 @@ class RoundResult:
     wall_s: float
 
 
+def workload(args: argparse.Namespace) -> tuple[int, int, list[str]]:
+    """The tasks, the requests per round and the arms (policies, then the base model unless skipped)."""
+    n_tasks, n_queries = (16, 48) if args.quick else (args.batching_tasks, args.queries)
+    return n_tasks, n_queries, [*POLICIES, *([] if args.no_base_arm else [BASE_ARM])]
+
+
 def batching_round(args: argparse.Namespace, r: int, tag: str = "") -> RoundResult:
     """Round ``r`` of the batching section in this process: a fresh engine holding the tasks, every arm
     of the round's requests interleaved (:func:`run_arms`)."""
@@ -195,7 +201,7 @@ def batching_round(args: argparse.Namespace, r: int, tag: str = "") -> RoundResu
 
     torch.set_num_threads(1)
     say = lambda text: CONSOLE.print(f"[dim]batching{tag}: {text}[/]")  # noqa: E731
-    n_tasks, n_queries = (16, 48) if args.quick else (args.batching_tasks, args.queries)
+    n_tasks, n_queries, arm_names = workload(args)
     sigmas = [float(s) for s in args.sigmas.split(",")]
     engine = StageEngine(cached_model_dir(), kv_capacity_tokens=KV_TOKENS)
     config = engine.scheduler.config
@@ -223,7 +229,7 @@ def batching_round(args: argparse.Namespace, r: int, tag: str = "") -> RoundResu
     sigma = sigmas[r % len(sigmas)]
     batch = queries(n_queries, sigma, names, vocab, seed=r)
     t0 = time.perf_counter()
-    arms = [arm(name, f"r{r}") for name in arm_order([*POLICIES, *([] if args.no_base_arm else [BASE_ARM])], r)]
+    arms = [arm(name, f"r{r}") for name in arm_order(arm_names, r)]
     run_arms(engine, arms, batch, args.gen_tokens, costs, pet_of, say)
     figures = {}
     for a in arms:
@@ -264,9 +270,9 @@ def bench_batching(args: argparse.Namespace) -> None:
             log.record(res.index, f"{name}, model s ÷ CPU s", got["model_s"] / got["cpu_s"], "×")
         # rounds side by side: each its share of the wall time, so that the report's total is the run's
         log.wall_s.append((time.perf_counter() - t0) / len(results) if parallel else res.wall_s)
-    for name in [*POLICIES[1:], *([] if args.no_base_arm else [BASE_ARM])]:
+    n_tasks, n_queries, arm_names = workload(args)
+    for name in arm_names[1:]:
         log.ratio(f"{name} ÷ fcfs", f"{name}, tok/s (CPU)", "fcfs, tok/s (CPU)")
-    n_tasks, n_queries = (16, 48) if args.quick else (args.batching_tasks, args.queries)
     report(CONSOLE, log, f"Coordinated batching: {n_tasks} tasks of five PET types, {n_queries} requests at t = 0 on "
                          f"random tasks, prompts N(32, σ), {args.gen_tokens} greedy tokens; SmolLM2-135M, one thread; "
                          f"the arms' steps interleaved",

@@ -150,8 +150,7 @@ class CoordinatorCore:
         group that could take it (its task's holders; the whole group for a task nobody restricted)."""
         router = self.router
         out: dict[str, float] = dict(router.kv.requests_by_node())
-        live = {n: r for n, r in router.topology.placement.items() if n not in router.dead and n not in router.draining}
-        groups = replica_groups(live)
+        groups = replica_groups(router.routable_placement())
         for request in self.waiting:
             if request.status.finished:
                 continue

@@ -120,10 +120,7 @@ class PetMigrator:
         """The window's counts (and mean queues) and who holds what, as the core and the registry see them now."""
 
         def look(core: CoordinatorCore) -> tuple[dict[str, tuple[int, int]], dict[str, frozenset[str]]]:
-            router = core.router
-            layers = {n: r for n, r in router.topology.placement.items()
-                      if n not in router.dead and n not in router.draining}  # fmt: skip
-            return layers, router.task_nodes.restricted()
+            return core.router.routable_placement(), core.router.task_nodes.restricted()
 
         layers, holders = self.serving.driver.locked(look)
         ready = self.serving.tasks.ready()

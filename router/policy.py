@@ -186,6 +186,11 @@ class Router:
         held = self.task_nodes.holders(task)
         return masked if held is None else masked | (self.topology.placement.keys() - held)
 
+    def routable_placement(self) -> dict[str, tuple[int, int]]:
+        """The layers of every node routed through (neither dead nor draining), by node."""
+        masked = self._masked()
+        return {n: r for n, r in self.topology.placement.items() if n not in masked}
+
     def describe_down(self) -> str:
         """The nodes not routed through and the layers no routable node holds (NoRouteError's message)."""
         why = f"nodes down: {', '.join(sorted(self._masked())) or 'none'}"

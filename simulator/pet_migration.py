@@ -176,7 +176,7 @@ class TaskBalance:
     def view(self, counts: dict[tuple[str, str], float]) -> LoadView:
         """The window's counts (and mean queues) and who holds what, as the core's router sees them now."""
         router: Router = self.sim.core.router
-        layers = {n: r for n, r in router.topology.placement.items() if n not in router.dead and n not in router.draining}
+        layers = router.routable_placement()
         task_bytes = {(t, n): int(b * (e - s)) for t, b in self.layer_bytes.items() for n, (s, e) in layers.items()}
         draining: dict[str, int] = {}
         for m in self.moves:

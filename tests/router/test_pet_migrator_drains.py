@@ -42,6 +42,9 @@ class Router:
     def task_unroutable(self, task: str) -> str:
         return ""
 
+    def routable_placement(self) -> dict[str, tuple[int, int]]:
+        return {n: r for n, r in self.topology.placement.items() if n not in self.dead | self.draining}
+
 
 class Driver:
     def __init__(self) -> None:

@@ -96,3 +96,11 @@ def test_spread_puts_each_task_on_one_node_of_each_group_holding_the_same_layers
                                                                    ["cpu-0", "cpu-1"]]  # fmt: skip
     placement.forget("a")
     assert placement.holds("a", "cpu-2") and not placement.holds("b", "cpu-1") and placement.holds("", "cpu-1")
+
+
+def test_the_routable_placement_leaves_out_dead_and_draining_nodes() -> None:
+    router = demo_router(BIG)
+    assert router.routable_placement() == {"cpu-0": (0, 30), "cpu-1": (0, 16), "cpu-2": (16, 30)}
+    router.mark_dead("cpu-1")
+    router.draining.add("cpu-0")
+    assert router.routable_placement() == {"cpu-2": (16, 30)}
